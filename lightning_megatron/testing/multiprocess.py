@@ -1,0 +1,158 @@
+"""Run a function on N local processes joined into one torch.distributed world, with a hard timeout.
+
+Every distributed test of the project goes through :func:`run_on_ranks`: an exception on any
+rank fails the call with that rank's traceback, a rank that dies without reporting fails it
+with its exit code, and a hang fails it after ``timeout`` seconds (each rank also dumps its
+Python stack to stderr shortly before, so the hang is visible). Survivors are killed, never
+left behind.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+MAX_WORLD_SIZE = 8
+# The fork server imports these once; each rank is then a fork of it (~20 ms instead of ~1 s).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_megatron"]
+_GRACE_AFTER_ERROR_S = 3.0   # how long other ranks may still report once one has failed
+_GRACE_AFTER_DEATH_S = 1.0   # how long a dead rank's last message may take to arrive
+
+
+class MultiRankError(AssertionError):
+    """One or more ranks failed, died or hung; the message holds what each of them reported."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, init_file: str, port: int, backend: str, timeout: float,
+            init_process_group: bool, fn: Callable[..., Any], args: tuple, kwargs: dict,
+            results: "mp.Queue") -> None:
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    # Leave a second or two before the parent's deadline so a hung rank's stack reaches stderr.
+    faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0), exit=False)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share a few cores: one thread each avoids thrashing
+    try:
+        if init_process_group:
+            store = dist.FileStore(init_file, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout))
+        result = fn(*args, **kwargs)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the result is already reported
+                pass
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                 backend: str = "gloo", init_process_group: bool = True,
+                 start_method: str = "forkserver", **kwargs: Any) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return each rank's result, by rank.
+
+    ``fn`` must be importable (a module-level function) and its result picklable by
+    ``torch.save``. Each process has ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set
+    (so a launcher such as Lightning can initialize itself when ``init_process_group=False``);
+    otherwise the world is already initialized on ``backend`` when ``fn`` starts.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}.")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}.")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
+    results: "mp.Queue" = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="lm_ranks_") as tmp:
+        init_file = os.path.join(tmp, "store")
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
+                        args=(rank, world_size, init_file, port, backend, timeout,
+                              init_process_group, fn, args, kwargs, results))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            outcome = _collect(procs, results, timeout)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in procs:
+                proc.join(timeout=10)
+            results.close()
+    return outcome
+
+
+def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> List[Any]:
+    import torch
+
+    world_size = len(procs)
+    start = time.monotonic()
+    deadline = start + timeout
+    done: Dict[int, Any] = {}
+    failures: Dict[int, str] = {}
+    died_at: Dict[int, float] = {}
+    while len(done) + len(failures) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        try:
+            rank, status, payload = results.get(timeout=min(0.2, deadline - now))
+        except queue_module.Empty:
+            now = time.monotonic()
+            for rank, proc in enumerate(procs):
+                if rank in done or rank in failures or proc.is_alive():
+                    continue
+                died_at.setdefault(rank, now)
+                if now - died_at[rank] > _GRACE_AFTER_DEATH_S:
+                    failures[rank] = f"rank {rank} exited with code {proc.exitcode} without reporting a result"
+                    deadline = min(deadline, now + _GRACE_AFTER_ERROR_S)
+            continue
+        if status == "ok":
+            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            failures[rank] = payload
+            # Peers of a failed rank usually block in a collective: give them a moment, then stop.
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+    if failures:
+        silent = [r for r in range(world_size) if r not in done and r not in failures]
+        parts = [f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures)]
+        if silent:
+            parts.append(f"ranks {silent} had not finished (killed after the failure above)")
+        raise MultiRankError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(parts))
+    if len(done) < world_size:
+        hung = [r for r in range(world_size) if r not in done]
+        raise MultiRankError(
+            f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s (a hang, e.g. a "
+            f"collective that not every rank entered); their stacks were dumped to stderr."
+        )
+    return [done[rank] for rank in range(world_size)]
