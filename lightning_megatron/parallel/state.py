@@ -56,6 +56,10 @@ class ParallelState:
         self.coords: Dict[str, int] = layout.coords(self.rank)
         self.virtual_pipeline_size = virtual_pipeline_size
         self.virtual_pipeline_rank: Optional[int] = 0 if virtual_pipeline_size else None
+        from ..tensor_parallel.random import RNGStatesTracker  # runtime import: no package cycle
+
+        # Named generator states (seed 002 appendix B.2) live as long as the groups do.
+        self.rng_tracker = RNGStatesTracker()
 
         self._ranks: Dict[str, List[int]] = {}
         self._groups: Dict[str, dist.ProcessGroup] = {}

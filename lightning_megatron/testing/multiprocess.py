@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 MAX_WORLD_SIZE = 8
 # The fork server imports these once; each rank is then a fork of it (~20 ms instead of ~1 s).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_megatron"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "pytest", "lightning_megatron",
+                      "lightning_megatron.tensor_parallel"]
 _GRACE_AFTER_ERROR_S = 3.0   # how long other ranks may still report once one has failed
 _GRACE_AFTER_DEATH_S = 1.0   # how long a dead rank's last message may take to arrive
 

@@ -1,0 +1,219 @@
+"""Column- and row-parallel linear layers and the vocab-parallel embedding (seed 002, section 3).
+
+Every shard is initialised as the matching slice of one master weight drawn on the CPU from the
+default generator, so a model built at TP=N holds exactly the numbers it holds at TP=1.
+Parameters carry ``tensor_model_parallel``/``partition_dim``/``partition_stride`` so grad
+clipping and checkpoints can tell shards from replicas; replicated parameters whose gradients
+are partial under sequence parallelism carry ``sequence_parallel=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .mappings import (
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, resolve_group, scatter_to_tensor_parallel_region,
+)
+from .utils import divide, set_tensor_model_parallel_attributes, vocab_range
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def init_method_normal(std: float = 0.02) -> InitMethod:
+    """N(0, std): Megatron's default for every weight."""
+    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, std/sqrt(2·num_layers)) for layers that write into the residual stream."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def init_sharded_(param: torch.Tensor, full_shape: Tuple[int, ...], partition_dim: int,
+                  init_method: InitMethod, rank: int, world_size: int, stride: int = 1) -> None:
+    """Fill ``param`` with this rank's slice of a master weight of ``full_shape``.
+
+    The master weight is drawn in float32 on the CPU, so every tp size and device consumes the
+    generator identically. ``stride`` > 1 handles fused weights (e.g. interleaved QKV) whose
+    shard is ``stride`` strided blocks.
+    """
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    block = divide(full_shape[partition_dim] // world_size, stride, "partition size", by="stride")
+    blocks = torch.split(master, block, dim=partition_dim)
+    shard = torch.cat(blocks[rank::world_size], dim=partition_dim)
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+class _TensorParallelModule(nn.Module):
+    """Resolves the tp group lazily, so modules stay copyable and follow the active state."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__()
+        self._explicit_group = group
+        resolved = resolve_group(group)
+        self.tp_size = dist.get_world_size(resolved)
+        self.tp_rank = dist.get_rank(resolved)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return resolve_group(self._explicit_group)
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """``Y = X A + b`` with ``A`` split by columns: each rank computes its slice of the outputs.
+
+    Input is replicated (f: identity forward, all-reduce backward) or, with
+    ``sequence_parallel``, a slice of the sequence (first dim) that is all-gathered first.
+    Output stays split along the last dim unless ``gather_output``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 init_method: Optional[InitMethod] = None, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__(group)
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
+                             "sequence_parallel=True; keep the output split and use a RowParallelLinear.")
+        if skip_bias_add and gather_output:
+            raise ValueError("ColumnParallelLinear: skip_bias_add=True returns this rank's bias shard, "
+                             "which does not match a gathered output; set gather_output=False.")
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        init_method = init_method or init_method_normal()
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if perform_initialization:
+            init_sharded_(self.weight, (output_size, input_size), 0, init_method, self.tp_rank,
+                          self.tp_size, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        group = self.group
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_parallel_region(x, group)
+        out = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        if self.gather_output:
+            out = gather_from_tensor_parallel_region(out, group)
+        return (out, self.bias) if self.skip_bias_add else out
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """``Y = X A + b`` with ``A`` split by rows: each rank holds a slice of the inputs.
+
+    Partial products are summed (g: all-reduce forward, identity backward) or, with
+    ``sequence_parallel``, reduce-scattered along the sequence. The bias is added once, after.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
+                 init_method: Optional[InitMethod] = None, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__(group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
+                             "(its input comes split from a ColumnParallelLinear).")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        init_method = init_method or init_method_normal()
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if perform_initialization:
+            init_sharded_(self.weight, (output_size, input_size), 1, init_method, self.tp_rank,
+                          self.tp_size, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        group = self.group
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, group)
+        out = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, group)
+        else:
+            out = reduce_from_tensor_parallel_region(out, group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """Embedding table split along the vocabulary: rank r holds rows [r·V/tp, (r+1)·V/tp).
+
+    Ids outside this rank's rows look up zeros and the partial results are summed over tp (or
+    reduce-scattered along the first dim with ``sequence_parallel``: pass ids sequence-first,
+    ``[s, b]``, to get ``[s/tp, b, h]``). ``num_embeddings`` must divide by tp: pad it with
+    ``pad_vocab_size``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_method: Optional[InitMethod] = None,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp_rank, self.tp_size)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        init_method = init_method or init_method_normal()
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if perform_initialization:
+            init_sharded_(self.weight, (num_embeddings, embedding_dim), 0, init_method, self.tp_rank,
+                          self.tp_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                            "VocabParallelEmbedding: token id outside [0, num_embeddings)")
+        group = self.group
+        if self.tp_size > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local_ids = torch.where(outside, torch.zeros_like(ids), ids - self.vocab_start)
+            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, group)
+        return reduce_from_tensor_parallel_region(out, group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+                f"sequence_parallel={self.sequence_parallel}")

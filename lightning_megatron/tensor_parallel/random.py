@@ -1,0 +1,149 @@
+"""Model-parallel random numbers (seed 002, appendix B.2) and RNG-exact activation checkpointing.
+
+Dropout outside tensor-parallel regions (after the residual adds) must draw the same mask on
+every tp rank, since those activations are replicated: the default generator is seeded with
+the same seed everywhere. Dropout inside a tp region (attention probabilities of this rank's
+heads) must differ between ranks: it runs under ``tracker.fork()``, a separate generator state
+seeded per tp rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+import torch.utils.checkpoint
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+# Offsets as in Megatron-LM, so seeds line up with runs users compare against.
+_TP_SEED_OFFSET = 2718
+_EP_SEED_OFFSET = 1024
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _get_state(device_type: str) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device_type: str, state: torch.Tensor) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in around a region with ``fork(name)``.
+
+    Tracks the generator of the device compute runs on (CUDA when available, else CPU).
+    """
+
+    def __init__(self, device_type: Optional[str] = None) -> None:
+        self.device_type = device_type or _device_type()
+        self.states: Dict[str, torch.Tensor] = {}
+        self.seeds: Dict[int, str] = {}
+
+    def reset(self) -> None:
+        self.states.clear()
+        self.seeds.clear()
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists; call reset() before seeding again.")
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} is already used by RNG state {self.seeds[seed]!r}; "
+                             "two states with one seed would draw identical numbers.")
+        original = _get_state(self.device_type)
+        if self.device_type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _get_state(self.device_type)
+        _set_state(self.device_type, original)
+        self.seeds[seed] = name
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draw from the state ``name`` inside the block; the default generator is untouched."""
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} was never added; call model_parallel_seed(seed) first "
+                           f"(known states: {sorted(self.states)}).")
+        original = _get_state(self.device_type)
+        _set_state(self.device_type, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state(self.device_type)
+            _set_state(self.device_type, original)
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The active ParallelState's tracker."""
+    from ..parallel import get_parallel_state
+
+    return get_parallel_state().rng_tracker
+
+
+def model_parallel_seed(seed: int, tracker: Optional[RNGStatesTracker] = None, tp_rank: Optional[int] = None,
+                        ep_rank: Optional[int] = None, etp_rank: Optional[int] = None) -> None:
+    """Seed the default generators identically on every tp rank and the tracker per tp/ep rank.
+
+    Ranks default to the active ParallelState's.
+    """
+    if tracker is None or tp_rank is None or ep_rank is None or etp_rank is None:
+        from ..parallel import get_parallel_state
+
+        state = get_parallel_state()
+        tracker = state.rng_tracker if tracker is None else tracker
+        tp_rank = state.tp_rank if tp_rank is None else tp_rank
+        ep_rank = state.ep_rank if ep_rank is None else ep_rank
+        etp_rank = state.etp_rank if etp_rank is None else etp_rank
+    torch.manual_seed(seed)  # CPU and every CUDA device: the data-parallel (replicated) stream
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(EXPERT_PARALLEL_RNG, seed + _EP_SEED_OFFSET + 100 * ep_rank + etp_rank)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, tracker: Optional[RNGStatesTracker] = None,
+               **kwargs: Any) -> Any:
+    """Activation checkpointing whose recomputation replays the same random numbers.
+
+    torch's checkpoint restores the CPU and CUDA default generators; this also restores the
+    tracker's named states, so dropout inside tensor-parallel regions recomputes bit-identically.
+    """
+    if tracker is None:
+        from ..parallel import has_parallel_state
+
+        tracker = get_rng_tracker() if has_parallel_state() else None
+    if tracker is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    saved: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def record() -> Iterator[None]:
+        saved["states"] = tracker.get_states()
+        yield
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        current = tracker.get_states()
+        tracker.set_states(saved["states"])
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=lambda: (record(), replay()), **kwargs)
