@@ -22,3 +22,25 @@ def gather(shard, dim, state):
 
 def close(a, b, atol=ATOL, rtol=RTOL):
     torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def full_param(shard, state):
+    """The full tensor of a tensor-parallel parameter (or its grad) from every rank's shard.
+
+    ``partition_stride`` > 1 (e.g. SwiGLU's gate|up) means each shard is ``stride`` blocks that
+    belong to ``stride`` separate regions of the master tensor.
+    """
+    param = shard
+    if not getattr(param, "tensor_model_parallel", False):
+        return shard.detach()
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    blocks = shard.detach().chunk(stride, dim=dim)
+    return torch.cat([gather_along_dim(b.contiguous(), dim, state.tp_group) for b in blocks], dim=dim)
+
+
+def full_grad(param, state):
+    grad = param.grad.detach()
+    for name in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(param, name):
+            setattr(grad, name, getattr(param, name))
+    return full_param(grad, state)

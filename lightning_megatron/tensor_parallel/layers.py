@@ -54,6 +54,14 @@ def init_sharded_(param: torch.Tensor, full_shape: Tuple[int, ...], partition_di
         param.copy_(shard)
 
 
+def _real_rows_only(init_method: InitMethod, rows: int) -> InitMethod:
+    """Initialise the first ``rows`` rows as a ``[rows, ...]`` tensor would be; zero the rest."""
+    def init(master: torch.Tensor) -> None:
+        init_method(master[:rows])
+        master[rows:].zero_()
+    return init
+
+
 class _TensorParallelModule(nn.Module):
     """Resolves the tp group lazily, so modules stay copyable and follow the active state."""
 
@@ -181,18 +189,22 @@ class VocabParallelEmbedding(_TensorParallelModule):
     Ids outside this rank's rows look up zeros and the partial results are summed over tp (or
     reduce-scattered along the first dim with ``sequence_parallel``: pass ids sequence-first,
     ``[s, b]``, to get ``[s/tp, b, h]``). ``num_embeddings`` must divide by tp: pad it with
-    ``pad_vocab_size``.
+    ``pad_vocab_size`` and pass the real ``vocab_size``: rows past it start at zero, so the
+    real rows hold the same numbers whatever the padding (and so whatever the tp size).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_method: Optional[InitMethod] = None,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None) -> None:
         super().__init__(group)
+        if vocab_size is not None and not 0 < vocab_size <= num_embeddings:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, num_embeddings={num_embeddings}].")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_size = vocab_size or num_embeddings
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp_rank, self.tp_size)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
-        init_method = init_method or init_method_normal()
+        init_method = _real_rows_only(init_method or init_method_normal(), self.vocab_size)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                dtype=params_dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)

@@ -110,6 +110,11 @@ def model_parallel_seed(seed: int, tracker: Optional[RNGStatesTracker] = None, t
         ep_rank = state.ep_rank if ep_rank is None else ep_rank
         etp_rank = state.etp_rank if etp_rank is None else etp_rank
     torch.manual_seed(seed)  # CPU and every CUDA device: the data-parallel (replicated) stream
+    seed_tracker(tracker, seed, tp_rank, ep_rank, etp_rank)
+
+
+def seed_tracker(tracker: RNGStatesTracker, seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """(Re)create the tracker's tp-rank and ep-rank states; the default generators are untouched."""
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
     tracker.add(EXPERT_PARALLEL_RNG, seed + _EP_SEED_OFFSET + 100 * ep_rank + etp_rank)

@@ -1,0 +1,109 @@
+"""Input embeddings of language models and the tied output projection to vocabulary logits."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import get_parallel_state
+from ..tensor_parallel import (
+    VocabParallelEmbedding, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    init_method_normal,
+)
+from ..transformer import TransformerConfig, build_norm, seeded
+
+
+def _replicated_embedding(config: TransformerConfig, rows: int, name: str) -> nn.Embedding:
+    with seeded(config.init_seed, name):
+        table = nn.Embedding(rows, config.hidden_size, dtype=config.params_dtype)
+        init_method_normal(config.init_method_std)(table.weight.data)
+    # under sequence parallelism each rank looks up only its slice of positions: partial grads
+    table.weight.sequence_parallel = config.sequence_parallel
+    return table
+
+
+class LanguageModelEmbedding(nn.Module):
+    """word (vocab-parallel) + learned position (+ token type) embeddings, returned ``[s, b, h]``.
+
+    With sequence parallelism the word lookup is reduce-scattered along the sequence and each
+    rank adds only its positions, so no rank ever holds the full ``[s, b, h]`` embedding.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, padded_vocab_size: int,
+                 max_sequence_length: int, num_tokentypes: int = 0, layernorm: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.max_sequence_length = max_sequence_length
+        with seeded(config.init_seed, "word_embeddings"):
+            self.word_embeddings = VocabParallelEmbedding(
+                padded_vocab_size, config.hidden_size, init_method=init_method_normal(config.init_method_std),
+                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+                vocab_size=vocab_size)
+        self.position_embeddings = _replicated_embedding(config, max_sequence_length, "position_embeddings")
+        self.tokentype_embeddings = (_replicated_embedding(config, num_tokentypes, "tokentype_embeddings")
+                                     if num_tokentypes else None)
+        self.norm = build_norm(config) if layernorm else None
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def _local_slice(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` ids → this rank's ``[s(/tp), b]`` slice."""
+        ids = ids.t()
+        if self.config.sequence_parallel:
+            state = get_parallel_state()
+            ids = ids.chunk(state.tp_size, dim=0)[state.tp_rank]
+        return ids
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, s = input_ids.shape
+        if s > self.max_sequence_length:
+            raise ValueError(f"sequence length {s} exceeds max_sequence_length={self.max_sequence_length}; "
+                             "raise it when building the model or truncate the inputs.")
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        hidden = self.word_embeddings(input_ids.t())                       # [s(/tp), b, h]
+        hidden = hidden + self.position_embeddings(self._local_slice(position_ids))
+        if self.tokentype_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            hidden = hidden + self.tokentype_embeddings(self._local_slice(token_type_ids))
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.config.sequence_parallel and self.training:
+            with get_parallel_state().rng_tracker.fork():   # each rank holds different tokens
+                return self.dropout(hidden)
+        return self.dropout(hidden)
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[s(/tp), b, h]`` hidden states times this rank's vocabulary rows → ``[s, b, V/tp]`` logits.
+
+    The hidden states are replicated over tp (f) or, under sequence parallelism, all-gathered
+    first; the logits stay vocab-parallel for ``vocab_parallel_cross_entropy``.
+    """
+    if sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    else:
+        hidden = copy_to_tensor_parallel_region(hidden)
+    return F.linear(hidden, weight, bias)
+
+
+def output_weight_for_stage(config: TransformerConfig, vocab_size: int, padded_vocab_size: int,
+                            tied: bool) -> nn.Parameter:
+    """The output projection ``[V_padded/tp, h]`` of a last stage that holds no word embeddings.
+
+    Tied (pipeline > 1): drawn from the word embeddings' seed, so it starts equal to the first
+    stage's table, and tagged ``shared_embedding`` so the two gradients are summed over the
+    embedding group after backward. Untied: its own seed.
+    """
+    with seeded(config.init_seed, "word_embeddings" if tied else "output_layer"):
+        twin = VocabParallelEmbedding(padded_vocab_size, config.hidden_size,
+                                      init_method=init_method_normal(config.init_method_std),
+                                      params_dtype=config.params_dtype, vocab_size=vocab_size)
+    weight = twin.weight
+    weight.shared_embedding = tied
+    return weight

@@ -1,0 +1,70 @@
+"""GPT: vocab-parallel embedding + learned positions, causal transformer, tied output layer."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..parallel import get_parallel_state
+from ..pipeline.stack import chunk_position
+from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
+from ..transformer import TransformerBlock, TransformerConfig
+from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
+
+
+class GPTModel(nn.Module):
+    """One pipeline chunk (``vp_rank``) of a GPT; with PP=1 the whole model.
+
+    ``forward(input_ids [b, s], labels=None)``: on the last chunk the vocab-parallel logits
+    ``[b, s, V_padded/tp]`` or, with ``labels``, the per-token loss ``[b, s]``; on other chunks
+    the hidden states ``[s, b, h]`` for the next stage. Later chunks take their input from
+    ``set_input_tensor`` (the pipeline executor's hand-over).
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                 vp_rank: int = 0, tie_word_embeddings: bool = True, label_smoothing: float = 0.0,
+                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
+        super().__init__()
+        if config.attn_mask_type != "causal":
+            raise ValueError("GPTModel needs TransformerConfig(attn_mask_type='causal').")
+        self.config = config
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = pad_vocab_size(vocab_size, get_parallel_state().tp_size)
+        self.label_smoothing = label_smoothing
+        self.pre_process, self.post_process = chunk_position(vp_rank)
+        self.input_tensor: Optional[torch.Tensor] = None
+
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size,
+                                                    max_sequence_length)
+        self.decoder = TransformerBlock(config, vp_rank, first_stage_layers=first_stage_layers,
+                                        last_stage_layers=last_stage_layers)
+        self.output_weight: Optional[nn.Parameter] = None
+        if self.post_process and not (tie_word_embeddings and self.pre_process):
+            self.output_weight = output_weight_for_stage(config, vocab_size, self.padded_vocab_size,
+                                                         tie_word_embeddings)
+        if tie_word_embeddings and self.pre_process and not self.post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
+        self.input_tensor = tensor
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            hidden = self.input_tensor
+        hidden = self.decoder(hidden, attention_mask)
+        if not self.post_process:
+            return hidden
+        weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
+        logits = parallel_logits(hidden, weight, self.config.sequence_parallel)          # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), label_smoothing=self.label_smoothing,
+                                            vocab_size=self.vocab_size)
+        return loss.t()

@@ -1,0 +1,48 @@
+"""The transformer layers of one pipeline stage / virtual chunk, and the final norm on the last."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..parallel import get_parallel_state
+from ..pipeline.stack import build_stage_layers, chunk_position
+from ..tensor_parallel import checkpoint
+from .config import TransformerConfig
+from .layer import TransformerLayer
+from .norm import build_norm
+
+
+class TransformerBlock(nn.Module):
+    """Layers ``chunk_layer_range(...)`` of the model (seed 000's offsets), built on this rank only.
+
+    Works on ``[s, b, h]``; under sequence parallelism ``s`` is this rank's slice and the whole
+    block draws dropout from the tp-rank generator, since each rank holds different tokens.
+    """
+
+    def __init__(self, config: TransformerConfig, vp_rank: int = 0,
+                 layer_factory: Optional[Callable[[int], nn.Module]] = None,
+                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        build = layer_factory or (lambda index: TransformerLayer(config, index + 1))
+        self.layers, self.layer_indices = build_stage_layers(
+            config.num_layers, build, config.init_seed, vp_rank, first_stage_layers, last_stage_layers)
+        _, is_last = chunk_position(vp_rank)
+        self.final_norm = build_norm(config) if config.layernorm_order == "pre" and is_last else None
+
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rng = (get_parallel_state().rng_tracker.fork() if self.config.sequence_parallel and self.training
+               else contextlib.nullcontext())
+        with rng:
+            for layer in self.layers:
+                if self.config.recompute_layers and self.training:
+                    hidden = checkpoint(layer, hidden, attention_mask)
+                else:
+                    hidden = layer(hidden, attention_mask)
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        return hidden

@@ -1,0 +1,42 @@
+"""One transformer layer: attention and MLP sub-blocks with residuals, pre- or post-norm."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import SelfAttention
+from .config import TransformerConfig
+from .mlp import MLP
+from .norm import build_norm
+
+
+class TransformerLayer(nn.Module):
+    """``pre``: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` (seed 002, Fig. 7b).
+    ``post`` (original BERT): ``norm(x + drop(attn(x)))`` then ``norm(x + drop(mlp(x)))``.
+
+    ``mlp`` replaces the dense MLP (e.g. an MoE layer); it may return ``(output, extra)``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, mlp: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.pre_norm = config.layernorm_order == "pre"
+        self.layer_number = layer_number
+        self.attention_norm = build_norm(config)
+        self.attention = SelfAttention(config, layer_number)
+        self.mlp_norm = build_norm(config)
+        self.mlp = mlp if mlp is not None else MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_norm:
+            hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
+            return hidden + self.dropout(self._mlp(self.mlp_norm(hidden)))
+        hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
+        return self.mlp_norm(hidden + self.dropout(self._mlp(hidden)))

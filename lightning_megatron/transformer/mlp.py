@@ -1,0 +1,39 @@
+"""The feed-forward block: column-parallel fc1, activation, row-parallel fc2 (seed 002, Figure 3a).
+
+The activation is applied to each rank's slice independently, which is why fc1 is split by
+columns: no communication between the two GEMMs. For SwiGLU, fc1 holds gate and up
+projections; ``stride=2`` makes each shard hold its slice of both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
+from .config import TransformerConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.activation = config.activation
+        gated = config.activation == "swiglu"
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, bias=config.add_bias_linear,
+            init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
+            stride=2 if gated else 1, params_dtype=config.params_dtype)
+        self.fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
+            init_method=init_method_normal(config.output_layer_init_std),
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(hidden)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.fc2(h)
