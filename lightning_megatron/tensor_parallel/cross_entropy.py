@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .mappings import all_reduce, resolve_group
 
@@ -92,5 +93,11 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
                          "must agree on every dimension but the last.")
     valid = (target == ignore_index) | ((target >= 0) & (target < vocab_size))
     torch._assert_async(valid.all(), "vocab_parallel_cross_entropy: target outside [0, vocab_size)")
+    if dist.get_world_size(group) == 1:
+        # one shard holds the whole vocabulary: PyTorch's fused kernel, in float32 like the tp path
+        logits = vocab_parallel_logits[..., :vocab_size].float()
+        loss = F.cross_entropy(logits.reshape(-1, vocab_size), target.reshape(-1), ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, reduction="none")
+        return loss.view(target.shape)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing),
                                             ignore_index, vocab_size, group)
