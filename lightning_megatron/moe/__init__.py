@@ -1,5 +1,13 @@
-"""Mixture-of-experts building blocks. So far: the ECHO expert-offloading planner."""
+"""Mixture-of-experts building blocks: router, token dispatchers, grouped experts, the MoE layer,
+and the ECHO expert-offloading planner."""
 
+from .aux_loss import (
+    AttachAuxLoss, collect_aux_losses, sequence_load_balancing_loss, set_aux_loss_scale, switch_load_balancing_loss,
+    z_loss,
+)
+from .dispatcher import (
+    AllGatherTokenDispatcher, AllToAllTokenDispatcher, DispatchMetadata, TokenDispatcher, build_dispatcher,
+)
 from .echo import (
     apply_offloading_plan,
     breadth_first_allocation,
@@ -12,6 +20,12 @@ from .echo import (
     interleave_spare_slots,
     one_shot_greedy_assignment,
 )
+from .experts import GroupedMLP, SharedExpertMLP, grouped_mm_available
+from .groups import MoEGroups
+from .layer import MoEConfig, MoELayer
+from .permute import permute, permute_probs, unpermute
+from .router import TopKRouter, update_expert_biases
+from .routing import apply_capacity, expert_capacity, group_limited_topk, topk_routing
 
 __all__ = [
     "apply_offloading_plan",
@@ -24,4 +38,12 @@ __all__ = [
     "home_expert_of_spare",
     "interleave_spare_slots",
     "one_shot_greedy_assignment",
+    # MoE layer
+    "MoEConfig", "MoELayer", "MoEGroups",
+    "TopKRouter", "update_expert_biases", "topk_routing", "group_limited_topk", "expert_capacity", "apply_capacity",
+    "AttachAuxLoss", "switch_load_balancing_loss", "sequence_load_balancing_loss", "z_loss",
+    "set_aux_loss_scale", "collect_aux_losses",
+    "TokenDispatcher", "AllToAllTokenDispatcher", "AllGatherTokenDispatcher", "DispatchMetadata",
+    "build_dispatcher", "permute", "permute_probs", "unpermute",
+    "GroupedMLP", "SharedExpertMLP", "grouped_mm_available",
 ]

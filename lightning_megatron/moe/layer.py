@@ -1,0 +1,186 @@
+"""``MoELayer``: router → token dispatch → grouped experts → combine, plus shared experts.
+
+How tokens reach the expert ranks (MoE folding). The layer's input comes from the dense side,
+laid out over the dense tp group: replicated (every tp rank holds the whole ``[S, B, H]``) or
+sequence-parallel (each holds ``[S/tp, B, H]``). The experts live on the expert grid
+(etp × ep × edp) of the same ranks, and may be placed quite differently (etp ≠ tp).
+
+1. Every rank must route *distinct* tokens, or the experts would see a replicated token tp
+   times and its gradient tp-fold. A replicated input is therefore first split along the
+   sequence over tp (``scatter_to_sequence_parallel_region``: backward all-gathers the input
+   gradient); a sequence-parallel input already is. After the combine the split is undone
+   (``gather_from_sequence_parallel_region`` with a replicated consumer: backward keeps this
+   rank's slice), so the output has the input's layout. The router weight is replicated but
+   sees only this rank's tokens: it carries ``sequence_parallel=True`` (when tp > 1) so its
+   gradient is summed over tp with the other sequence-parallel parameters.
+2. Each rank's tokens only travel inside its expert model-parallel group (tp-ep = etp × ep
+   ranks), which holds one complete copy of every expert: all-to-all over ep then all-gather
+   over etp (``dispatcher="alltoall"``), or all-gather over tp-ep (``"allgather"``). The
+   combine sends the (etp-summed) results back to the token's own rank. Every rank of the
+   world is in exactly one tp-ep group, so no alignment between tp and tp-ep is needed.
+3. Expert weights are replicated over edp: their gradients are summed over the edp group
+   (parameters carry ``expert_parallel=True``), the router's and shared experts' over dp.
+
+Balancing losses count tokens over the tp-cp group (see ``aux_loss``), so they equal the
+single-rank values; ``set_aux_loss_scale`` keeps them invariant to the micro-batch count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..tensor_parallel.layers import InitMethod
+from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from .comm import group_size
+from .dispatcher import DISPATCHERS, TokenDispatcher, build_dispatcher
+from .experts import ACTIVATIONS, GroupedMLP, SharedExpertMLP
+from .groups import MoEGroups
+from .router import TopKRouter
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """Sizes and options of one MoE layer (names follow Megatron-Core's ``moe_*`` options)."""
+
+    hidden_size: int
+    ffn_hidden_size: int                       # per routed expert
+    num_experts: int
+    topk: int = 2
+    dispatcher: str = "alltoall"               # "alltoall" | "allgather"
+    activation: str = "swiglu"                 # "swiglu" | "gelu"
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    sequence_parallel: bool = False
+    score_function: str = "softmax"
+    pre_softmax: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    scaling_factor: Optional[float] = None
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    enable_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    capacity_factor: Optional[float] = None
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
+    expert_backend: str = "auto"               # GroupedMLP backend: auto | grouped_mm | loop | bmm
+
+    def __post_init__(self) -> None:
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}.")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}.")
+        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+
+    def router_kwargs(self) -> Dict[str, object]:
+        names = ("score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "aux_loss_coeff",
+                 "seq_aux_loss_coeff", "z_loss_coeff", "enable_expert_bias", "expert_bias_update_rate",
+                 "capacity_factor", "drop_policy", "pad_to_capacity")
+        return {name: getattr(self, name) for name in names}
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts MLP block. ``forward(x)`` keeps ``x``'s shape and layout.
+
+    ``x`` is ``[S, B, H]`` (sequence-first; ``[S/tp, B, H]`` under sequence parallelism) or
+    ``[T, H]``. The phases are separate methods (``shared_experts_compute``, ``route``,
+    ``preprocess``, ``dispatch``, ``experts_compute``, ``combine``) so a partial CUDA graph can stop after ``route`` or
+    ``preprocess``; ``self.dispatcher.meta`` holds the routing bookkeeping in between.
+    ``self.aux_losses`` are the balancing losses of the last forward (this rank's parts).
+    """
+
+    def __init__(self, config: MoEConfig, *, groups: Optional[MoEGroups] = None,
+                 init_method: Optional[InitMethod] = None, output_layer_init_method: Optional[InitMethod] = None,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[torch.device, str]] = None) -> None:
+        super().__init__()
+        self.config = config
+        self._explicit_groups = groups
+        g = self.groups
+        self.tp_size = group_size(g.tp)
+        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
+        self.router = TopKRouter(config.hidden_size, config.num_experts, config.topk, init_method=init_method,
+                                 params_dtype=params_dtype, device=device, loss_group=groups.tp_cp if groups else None,
+                                 **config.router_kwargs())
+        # Tokens are split over tp before routing, so the router's gradient is partial over tp.
+        self.router.weight.sequence_parallel = self.tp_size > 1
+        if config.shared_expert_ffn_hidden_size:
+            self.shared_experts: Optional[SharedExpertMLP] = SharedExpertMLP(
+                config.hidden_size, config.shared_expert_ffn_hidden_size, activation=config.activation,
+                sequence_parallel=self.sequence_parallel, init_method=init_method,
+                output_layer_init_method=output_layer_init_method, params_dtype=params_dtype, device=device,
+                group=groups.tp if groups else None)   # None: follow the active state (keeps it copyable)
+        else:
+            self.shared_experts = None
+        self.dispatcher: TokenDispatcher = build_dispatcher(config.dispatcher, config.num_experts, config.topk, groups)
+        d = self.dispatcher
+        self.experts = GroupedMLP(d.num_local_experts, config.hidden_size, config.ffn_hidden_size,
+                                  activation=config.activation, first_expert=d.local_experts.start,
+                                  etp_size=d.etp_size, etp_rank=d.etp_rank, init_method=init_method,
+                                  output_layer_init_method=output_layer_init_method, params_dtype=params_dtype,
+                                  device=device, backend=config.expert_backend)
+
+    @property
+    def groups(self) -> MoEGroups:
+        return MoEGroups.resolve(self._explicit_groups)
+
+    @property
+    def aux_losses(self) -> Dict[str, Tensor]:
+        return self.router.aux_losses
+
+    # -- the phases ------------------------------------------------------------------------------
+    def shared_experts_compute(self, x: Tensor) -> Optional[Tensor]:
+        """The shared experts on the layer's input (dense layout), or None without them."""
+        return self.shared_experts(x) if self.shared_experts is not None else None
+
+    def route(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(probs [T, E], routing_map [T, E])`` for this rank's tokens."""
+        return self.router(x)
+
+    def preprocess(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tuple[Tensor, Tensor]:
+        capacity = self.router.capacity(tokens.shape[0]) if self.config.pad_to_capacity else None
+        return self.dispatcher.preprocess(tokens, probs, routing_map, capacity=capacity,
+                                          dropless=self.router.dropless)
+
+    def dispatch(self, tokens: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.dispatcher.dispatch(tokens, probs)
+
+    def experts_compute(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        return self.experts(tokens, tokens_per_expert, self.dispatcher.meta.rows_per_expert)
+
+    def combine(self, expert_output: Tensor) -> Tensor:
+        return self.dispatcher.combine(expert_output)
+
+    # -- the whole layer -------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"MoELayer expects hidden size {self.config.hidden_size}, got input {tuple(x.shape)}.")
+        shared = self.shared_experts_compute(x)
+        local = self._split_tokens(x)
+        probs, routing_map = self.route(local)
+        tokens, probs = self.preprocess(local.reshape(-1, self.config.hidden_size), probs, routing_map)
+        tokens, tokens_per_expert = self.dispatch(tokens, probs)
+        out = self.combine(self.experts_compute(tokens, tokens_per_expert)).view(local.shape)
+        out = self._unsplit_tokens(out)
+        return out if shared is None else out + shared
+
+    def _split_tokens(self, x: Tensor) -> Tensor:
+        """A replicated input keeps only this rank's sequence slice (see the module docstring)."""
+        if self.tp_size == 1 or self.sequence_parallel:
+            return x
+        if x.shape[0] % self.tp_size:
+            raise ValueError(f"MoELayer splits a tp-replicated input along its first (sequence) dimension: "
+                             f"{x.shape[0]} is not divisible by the tensor-parallel size {self.tp_size}; "
+                             "use a sequence length divisible by tp, or sequence_parallel=True.")
+        return scatter_to_sequence_parallel_region(x, self.groups.tp)
+
+    def _unsplit_tokens(self, x: Tensor) -> Tensor:
+        if self.tp_size == 1 or self.sequence_parallel:
+            return x
+        return gather_from_sequence_parallel_region(x, self.groups.tp, tensor_parallel_output_grad=False)

@@ -1,0 +1,79 @@
+"""Reorder tokens into expert-major rows and back, with static shapes and exact gradients.
+
+A routed token is one True of ``routing_map [T, E]``; its *slot* is ``e·T + t`` (the flat
+index of ``routing_map.T``). ``permute`` lists the slots expert by expert (tokens in order within
+an expert) and copies the token rows; ``unpermute`` adds each row back to its token. The copies
+are ``index_select``/``index_add`` pairs, conjugate to each other, so values and gradients are
+restored exactly (a token routed to k experts gets the sum of its k rows).
+
+No host sync: the number of rows is passed in (``T·k`` when dropless, ``E·capacity`` when padded).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def routed_slots(routing_map: Tensor, num_out: int) -> Tensor:
+    """Slots (``e·T + t``) of the first ``num_out`` routed tokens in expert-major order, ``[num_out]``.
+
+    A cumulative count gives each routed slot its row; unrouted slots (and any beyond
+    ``num_out``) are written to one extra row that is dropped, so the shape never depends on data.
+    """
+    flat = routing_map.t().reshape(-1)
+    row = flat.cumsum(0) - 1
+    target = torch.where(flat & (row < num_out), row, torch.full_like(row, num_out))
+    slots = torch.zeros(num_out + 1, dtype=torch.long, device=flat.device)
+    slots.scatter_(0, target, torch.arange(flat.numel(), device=flat.device))
+    return slots[:num_out]
+
+
+def permute(tokens: Tensor, routing_map: Tensor, num_out: int) -> tuple[Tensor, Tensor]:
+    """Rows of ``tokens [T, H]`` for every routed slot, grouped by expert. Returns (rows, slots)."""
+    slots = routed_slots(routing_map, num_out)
+    return tokens.index_select(0, slots % routing_map.shape[0]), slots
+
+
+def permute_probs(probs: Tensor, slots: Tensor) -> Tensor:
+    """The routing probability of each permuted row (``probs [T, E]`` read at ``slots``)."""
+    return probs.t().reshape(-1).index_select(0, slots)
+
+
+def unpermute(rows: Tensor, slots: Tensor, num_tokens: int, probs: Optional[Tensor] = None,
+              out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Sum the rows back into their tokens, each weighted by its probability when given: ``[T, H]``.
+
+    Accumulates in float32 when ``probs`` are float32 (router precision), then casts to ``out_dtype``.
+    """
+    if probs is not None:
+        rows = rows.to(torch.promote_types(rows.dtype, probs.dtype)) * probs.unsqueeze(-1)
+    out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
+    out = out.index_add(0, slots % num_tokens, rows)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def chunk_sort_index(counts: Tensor, total: int) -> Tensor:
+    """Row order that regroups source-major chunks into expert-major chunks.
+
+    Rows arrive as chunks ``(source s, expert i)`` of ``counts[s, i]`` rows, ``s`` outer; the
+    result ``idx`` makes ``rows[idx]`` ordered ``(i, s)``. ``total`` = ``counts.sum()``, known on
+    the host, so ``repeat_interleave`` needs no sync.
+    """
+    sources, experts = counts.shape
+    device = counts.device
+    src_start = counts.reshape(-1).cumsum(0) - counts.reshape(-1)             # chunk (s, i) starts
+    dst_counts = counts.t().reshape(-1)                                         # chunks in (i, s) order
+    dst_start = dst_counts.cumsum(0) - dst_counts
+    chunk = torch.repeat_interleave(torch.arange(experts * sources, device=device), dst_counts,
+                                    output_size=total)
+    within = torch.arange(total, device=device) - dst_start[chunk]
+    expert, source = chunk // sources, chunk % sources
+    return src_start[source * experts + expert] + within
+
+
+def inverse_permutation(index: Tensor) -> Tensor:
+    """``inv`` with ``inv[index[j]] = j``."""
+    return torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))

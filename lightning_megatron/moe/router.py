@@ -1,0 +1,185 @@
+"""``TopKRouter``: token → expert assignment, balancing losses and the aux-loss-free expert bias."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..tensor_parallel.layers import InitMethod, init_method_normal, init_sharded_
+from .aux_loss import AttachAuxLoss, sequence_load_balancing_loss, switch_load_balancing_loss, z_loss
+from .routing import (
+    DROP_POLICIES, SCORE_FUNCTIONS, apply_capacity, check_group_limits, expert_capacity, scores_for_aux_loss,
+    topk_routing,
+)
+
+
+def _default_loss_group() -> Optional[dist.ProcessGroup]:
+    from ..parallel import get_parallel_state, has_parallel_state
+
+    return get_parallel_state().group("tp-cp") if has_parallel_state() else None
+
+
+class TopKRouter(nn.Module):
+    """Scores every token against every expert and picks ``topk`` of them.
+
+    ``forward(x)`` takes this rank's tokens, ``[S, B, H]`` (sequence-first) or ``[T, H]``, and
+    returns ``(probs, routing_map)``, both ``[T, E]`` (``T = S·B``): float32 probabilities (zero
+    where a token does not go) and the boolean assignment. The balancing losses are attached to
+    ``probs`` so their gradients flow in backward (see ``aux_loss``), and their values of the last
+    forward are in ``self.aux_losses`` (this rank's partial sums over the tp-cp ``loss_group``).
+
+    Aux-loss-free balancing (``enable_expert_bias``): a per-expert bias shifts the top-k
+    selection only; token counts accumulate in training forwards and :meth:`update_expert_bias`
+    (call it after the optimizer step) moves each bias by ``±rate`` toward the mean load.
+
+    Capacity (``capacity_factor``): each expert keeps at most ``ceil(T·k/E·factor)`` of this
+    rank's tokens (by probability or position); ``pad_to_capacity`` makes it exactly that many,
+    so the dispatch has static shapes.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score_function: str = "softmax",
+                 pre_softmax: bool = False, num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                 scaling_factor: Optional[float] = None, aux_loss_coeff: float = 0.0,
+                 seq_aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, enable_expert_bias: bool = False,
+                 expert_bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
+                 drop_policy: str = "probs", pad_to_capacity: bool = False,
+                 init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[Union[torch.device, str]] = None,
+                 loss_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}].")
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}.")
+        if score_function == "sigmoid" and pre_softmax:
+            raise ValueError("pre_softmax=True only applies to score_function='softmax'.")
+        check_group_limits(num_experts, topk, num_groups, group_topk)
+        if scaling_factor is not None and scaling_factor <= 0:
+            raise ValueError(f"scaling_factor must be positive, got {scaling_factor}.")
+        for name, value in (("aux_loss_coeff", aux_loss_coeff), ("seq_aux_loss_coeff", seq_aux_loss_coeff),
+                            ("z_loss_coeff", z_loss_coeff)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}.")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}.")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (e.g. 1.0).")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive, got {capacity_factor}.")
+        self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
+        self.score_function, self.pre_softmax = score_function, pre_softmax
+        self.num_groups, self.group_topk, self.scaling_factor = num_groups, group_topk, scaling_factor
+        self.aux_loss_coeff, self.seq_aux_loss_coeff = aux_loss_coeff, seq_aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.capacity_factor, self.drop_policy, self.pad_to_capacity = capacity_factor, drop_policy, pad_to_capacity
+        self.expert_bias_update_rate = expert_bias_update_rate
+        self.aux_loss_scale = 1.0
+        self.aux_losses: Dict[str, Tensor] = {}
+        self._explicit_loss_group = loss_group
+
+        # Replicated on every rank; drawn like a TP=1 weight so every layout starts identical.
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+        init_sharded_(self.weight, (num_experts, hidden_size), 0, init_method or init_method_normal(), 0, 1)
+        if enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(num_experts, dtype=torch.float32, device=device), persistent=False)
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+
+    @property
+    def loss_group(self) -> Optional[dist.ProcessGroup]:
+        """The tp-cp group whose ranks hold slices of the same sequences (counts are summed there)."""
+        return self._explicit_loss_group if self._explicit_loss_group is not None else _default_loss_group()
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Per-expert capacity for ``num_tokens`` local tokens, or None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return expert_capacity(num_tokens, self.num_experts, self.topk, self.capacity_factor)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"TopKRouter expects hidden size {self.hidden_size}, got input {tuple(x.shape)}.")
+        if self.seq_aux_loss_coeff > 0 and x.dim() != 3:
+            raise ValueError("seq_aux_loss_coeff > 0 needs the input shaped [seq, batch, hidden] "
+                             f"(sequence-first) to find sequences; got {tuple(x.shape)}.")
+        tokens = x.reshape(-1, self.hidden_size)
+        logits = F.linear(tokens.float(), self.weight.float())                           # [T, E]
+        probs, routing_map = topk_routing(
+            logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
+            self.num_groups, self.group_topk, self.scaling_factor)
+        if self.training and torch.is_grad_enabled() and self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert += routing_map.sum(dim=0)   # the router's choice, before dropping
+        aux = self._aux_loss(x, logits, routing_map)
+        if self.capacity_factor is not None:
+            probs, routing_map = apply_capacity(probs, routing_map, self.capacity(tokens.shape[0]),
+                                                self.drop_policy, self.pad_to_capacity)
+        if aux is not None and aux.requires_grad:
+            probs = AttachAuxLoss.apply(probs, aux, self.aux_loss_scale)
+        return probs, routing_map
+
+    def _aux_loss(self, x: Tensor, logits: Tensor, routing_map: Tensor) -> Optional[Tensor]:
+        losses: Dict[str, Tensor] = {}
+        group = self.loss_group
+        if self.aux_loss_coeff > 0 or self.seq_aux_loss_coeff > 0:
+            scores = scores_for_aux_loss(logits, self.score_function)
+            if self.aux_loss_coeff > 0:
+                losses["load_balancing_loss"] = switch_load_balancing_loss(
+                    scores, routing_map, self.topk, self.aux_loss_coeff, group)
+            if self.seq_aux_loss_coeff > 0:
+                shape = (x.shape[0], x.shape[1], self.num_experts)
+                losses["seq_load_balancing_loss"] = sequence_load_balancing_loss(
+                    scores.view(shape), routing_map.view(shape), self.topk, self.seq_aux_loss_coeff, group)
+        if self.z_loss_coeff > 0:
+            losses["z_loss"] = z_loss(logits, self.z_loss_coeff, group)
+        self.aux_losses = {name: value.detach() for name, value in losses.items()}
+        return sum(losses.values()) if losses else None
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """One aux-loss-free step: ``bias += rate · sign(mean load - load)``, then reset the counts.
+
+        ``group``: the ranks that routed different tokens through this layer (tp-dp-cp), so every
+        replica applies the same update. See :func:`update_expert_biases` for a whole model.
+        """
+        update_expert_biases([self], group)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, experts={self.num_experts}, topk={self.topk}, "
+                f"score={self.score_function}, capacity_factor={self.capacity_factor}, "
+                f"pad_to_capacity={self.pad_to_capacity}, expert_bias={self.expert_bias is not None}")
+
+
+@torch.no_grad()
+def update_expert_biases(module: Union[nn.Module, Iterable[TopKRouter]],
+                         group: Optional[dist.ProcessGroup] = None) -> None:
+    """Update every aux-loss-free router in ``module`` with one all-reduce of their token counts.
+
+    Call after the optimizer step. ``group`` defaults to the active state's tp-dp-cp group.
+    """
+    routers = list(module.modules()) if isinstance(module, nn.Module) else list(module)
+    routers = [r for r in routers if isinstance(r, TopKRouter) and r.expert_bias is not None]
+    if not routers:
+        return
+    if group is None:
+        from ..parallel import get_parallel_state, has_parallel_state
+
+        group = get_parallel_state().group("tp-dp-cp") if has_parallel_state() else None
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    offset = counts.mean(dim=1, keepdim=True) - counts
+    for router, step in zip(routers, torch.sign(offset) * torch.tensor(
+            [r.expert_bias_update_rate for r in routers], device=counts.device).unsqueeze(1)):
+        router.expert_bias += step
+        router.local_tokens_per_expert.zero_()
