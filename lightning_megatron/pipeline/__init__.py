@@ -1,10 +1,20 @@
-"""Pipeline parallelism: pure schedules and layer split (this package's pure part)."""
+"""Pipeline parallelism: pure schedules, layer split and communication plan; p2p and executors."""
 
+from .chunks import VirtualChunks
+from .comm_plan import CommRound, comm_plan
+from .executor import (
+    ForwardStepFn, PipelineOutput, StepContext, deallocate_output_tensor, forward_backward,
+)
+from .p2p import PipelineP2P, prepare_group_for_batched_p2p
 from .schedules import (
     BACKWARD, FORWARD, MicrobatchCounts, ScheduleStep, convert_schedule_table_to_order,
     convert_schedule_table_to_steps, get_pp_rank_microbatches,
     get_schedule_table, resolve_group_size, schedule_order, schedule_steps,
 )
+from .shared_embeddings import (
+    allreduce_shared_embedding_grads, shared_embedding_parameters, sync_shared_embedding_weights,
+)
+from .stack import PipelineStack
 from .stages import (
     chunk_layer_range, layer_offset, layers_per_chunk, stage_layer_ranges, virtual_stage,
 )
@@ -15,4 +25,11 @@ __all__ = [
     "get_pp_rank_microbatches", "get_schedule_table", "layer_offset", "layers_per_chunk",
     "resolve_group_size", "schedule_order", "schedule_steps", "stage_layer_ranges",
     "virtual_stage",
+    # runtime
+    "CommRound", "ForwardStepFn", "PipelineOutput", "PipelineP2P", "StepContext",
+    "allreduce_shared_embedding_grads", "comm_plan", "deallocate_output_tensor",
+    "forward_backward", "prepare_group_for_batched_p2p", "shared_embedding_parameters",
+    "sync_shared_embedding_weights",
+    # building a stage's share of a model
+    "PipelineStack", "VirtualChunks",
 ]
