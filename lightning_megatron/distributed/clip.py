@@ -1,0 +1,62 @@
+"""Gradient norm and clipping over the whole model as one process would compute them.
+
+Each element of the model counts once: tensor-parallel shards are summed over tp, replicated
+parameters count on tp rank 0 only, the last stage's twin of the tied word embeddings does not
+count, and pipeline stages are summed over pp (and expert shards over ep).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import ParallelState
+from ..tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
+
+
+def _counted(param: nn.Parameter, state: ParallelState) -> bool:
+    if getattr(param, "expert_parallel", False):
+        # experts are split over ep (never duplicated there) and sharded or replicated over etp
+        return getattr(param, "tensor_model_parallel", False) or state.etp_rank == 0
+    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):
+        return False
+    if getattr(param, "shared_embedding", False) and state.pp_size > 1:
+        return state.is_pipeline_first_stage(ignore_virtual=True)   # the twin on the last stage is a copy
+    return True
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients of the model, identical on every rank (a collective)."""
+    params = [p for p in params if p.grad is not None]
+    dense = [p.grad for p in params if _counted(p, state) and not getattr(p, "expert_parallel", False)]
+    expert = [p.grad for p in params if _counted(p, state) and getattr(p, "expert_parallel", False)]
+    device = params[0].grad.device if params else torch.device("cpu")
+    totals = []
+    for grads, group in ((dense, "mp"), (expert, "tp-ep-pp")):
+        if math.isinf(norm_type):
+            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
+                torch.zeros((), device=device)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.group(group))
+        else:
+            local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
+                        torch.zeros((), device=device))
+            dist.all_reduce(local, group=state.group(group))
+        totals.append(local)
+    if math.isinf(norm_type):
+        return torch.maximum(totals[0], totals[1])
+    return (totals[0] + totals[1]) ** (1.0 / norm_type)
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: ParallelState,
+                   norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the parallel model: same norm, same coefficient."""
+    params: List[nn.Parameter] = [p for p in params if p.grad is not None]
+    total = global_grad_norm(params, state, norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coefficient.to(p.grad.dtype))
+    return total

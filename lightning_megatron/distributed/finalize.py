@@ -1,0 +1,57 @@
+"""After the last backward of a step: make every gradient what one process would have computed.
+
+1. sequence-parallel parameters (norms, row-parallel biases): sum over tp, each rank saw a slice
+   of the sequence;
+2. tied word embeddings on the first and last stage: sum over the embedding group;
+3. data parallelism: average over the dense ``dp-cp`` group, or over ``edp`` for expert
+   parameters (``param.expert_parallel = True``), one coalesced all-reduce per (group, dtype).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..parallel import ParallelState
+from ..pipeline.shared_embeddings import allreduce_shared_embedding_grads
+from ..tensor_parallel.utils import allreduce_sequence_parallel_grads
+
+
+def _all_reduce_coalesced(grads: List[torch.Tensor], group: dist.ProcessGroup, average: bool) -> None:
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
+
+
+def data_parallel_buckets(params: Iterable[nn.Parameter]) -> Dict[Tuple[str, torch.dtype], List[torch.Tensor]]:
+    """Gradients grouped by (reduction group name, dtype), in parameter order."""
+    buckets: Dict[Tuple[str, torch.dtype], List[torch.Tensor]] = defaultdict(list)
+    for param in params:
+        if param.grad is not None:
+            group = "edp" if getattr(param, "expert_parallel", False) else "dp-cp"
+            buckets[(group, param.grad.dtype)].append(param.grad)
+    return buckets
+
+
+def finalize_model_grads(modules: Iterable[nn.Module], state: ParallelState,
+                         reduce_data_parallel: bool = True) -> None:
+    """Collective over the whole world: call on every rank after the schedule's last backward."""
+    modules = list(modules)
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if state.tp_size > 1:
+        allreduce_sequence_parallel_grads(params, state.tp_group)
+    if state.pp_size > 1:
+        allreduce_shared_embedding_grads(modules)  # middle stages return at once
+    if not reduce_data_parallel:
+        return
+    for (name, _), grads in data_parallel_buckets(params).items():
+        if state.size(name) > 1:
+            _all_reduce_coalesced(grads, state.group(name), average=True)

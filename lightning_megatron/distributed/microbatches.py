@@ -1,0 +1,55 @@
+"""Split one batch into equal micro-batches along dim 0, whatever its structure."""
+
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Sequence
+
+import torch
+
+
+def batch_size_of(batch: Any) -> Optional[int]:
+    """Size of dim 0 of the first tensor found in ``batch`` (None when it holds no tensor)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, Mapping):
+        values = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        values = batch
+    else:
+        return None
+    for value in values:
+        size = batch_size_of(value)
+        if size is not None:
+            return size
+    return None
+
+
+def split_into_microbatches(batch: Any, micro_batch_size: Optional[int]) -> List[Any]:
+    """``batch`` cut into ``B / micro_batch_size`` pieces; tensors split along dim 0, other leaves
+    (strings, numbers) repeated. ``None`` keeps the batch whole."""
+    size = batch_size_of(batch)
+    if micro_batch_size is None or size is None:
+        return [batch]
+    if size % micro_batch_size:
+        raise ValueError(
+            f"the batch has {size} samples per data-parallel rank, which micro_batch_size={micro_batch_size} "
+            f"does not divide; use a batch size that is a multiple of {micro_batch_size} (with drop_last=True "
+            "for a smaller last batch) or a micro_batch_size that divides it."
+        )
+    count = size // micro_batch_size
+    return [_take(batch, i * micro_batch_size, (i + 1) * micro_batch_size, size) for i in range(count)]
+
+
+def _take(batch: Any, start: int, end: int, size: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:end] if batch.dim() and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _take(v, start, end, size) for k, v in batch.items()}) if not hasattr(
+            batch, "_fields") else batch
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_take(v, start, end, size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == size and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in batch):
+            return type(batch)(batch[start:end])   # a list of per-sample leaves (e.g. strings)
+        return type(batch)(_take(v, start, end, size) for v in batch)
+    return batch

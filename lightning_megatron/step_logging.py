@@ -1,0 +1,103 @@
+"""What a LightningModule logs inside the micro-batches of one step, gathered and replayed once.
+
+Under pipeline parallelism ``training_step`` runs only on the last stage, once per micro-batch.
+``self.log`` calls are recorded there, averaged over micro-batches, broadcast to every stage and
+then logged for real on every rank with the same arguments, so rank 0's progress bar and
+loggers see them and ``sync_dist=True`` is entered by every rank (never a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .parallel import ParallelState
+
+Record = Tuple[Any, tuple, dict]
+
+
+class StepLogCapture:
+    """``passthrough_metrics``: log torchmetrics objects for real at once (every rank runs the step,
+    so the metric's own state and sync give the exact epoch value); otherwise log their batch value."""
+
+    def __init__(self, module: Any, passthrough_metrics: bool) -> None:
+        self.module = module
+        self.passthrough_metrics = passthrough_metrics
+        self.microbatches: List[Dict[str, Record]] = []
+
+    @contextlib.contextmanager
+    def microbatch(self) -> Iterator[None]:
+        """Record the module's ``log``/``log_dict`` calls made inside this block."""
+        records: Dict[str, Record] = {}
+        self.microbatches.append(records)
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if self.passthrough_metrics and _is_metric(value):
+                type(self.module).log(self.module, name, value, *args, **kwargs)
+                return
+            records[name] = (_as_value(value), args, kwargs)
+
+        def log_dict(dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+            for name, value in dictionary.items():
+                log(name, value, *args, **kwargs)
+
+        self.module.log, self.module.log_dict = log, log_dict   # instance attributes shadow the methods
+        try:
+            yield
+        finally:
+            del self.module.log
+            del self.module.log_dict
+
+    def averaged(self) -> Dict[str, Record]:
+        """Each logged name's mean over the micro-batches that logged it, with its arguments."""
+        out: Dict[str, Record] = {}
+        names = [n for records in self.microbatches for n in records]
+        for name in dict.fromkeys(names):
+            values = [records[name][0] for records in self.microbatches if name in records]
+            _, args, kwargs = next(records[name] for records in self.microbatches if name in records)
+            out[name] = (sum(values) / len(values), args, kwargs)
+        return out
+
+
+def _is_metric(value: Any) -> bool:
+    from torchmetrics import Metric
+
+    return isinstance(value, Metric)
+
+
+def _as_value(value: Any) -> float:
+    if _is_metric(value):
+        # the metric object lives on the last stage only: log the value it computed for this batch
+        value = value._forward_cache
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"self.log needs a scalar under pipeline parallelism, got a tensor of shape "
+                             f"{tuple(value.shape)}.")
+        return float(value.detach().float().item())
+    if isinstance(value, numbers.Number):
+        return float(value)
+    raise TypeError(f"cannot log a {type(value).__name__} under pipeline parallelism; log a number or a "
+                    "scalar tensor.")
+
+
+def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
+    """``obj`` as the last pipeline stage holds it, on every stage (a collective over pp)."""
+    if state.pp_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=state.ranks("pp")[-1], group=state.pp_group)
+    return box[0]
+
+
+def replay(module: Any, records: Dict[str, Record], device: torch.device,
+           default_sync_group: Optional[dist.ProcessGroup]) -> None:
+    """Log ``records`` for real; ``sync_dist`` reduces over the data-parallel replicas only."""
+    for name, (value, args, kwargs) in records.items():
+        kwargs = dict(kwargs)
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+            kwargs["sync_dist_group"] = default_sync_group
+        module.log(name, torch.tensor(value, device=device), *args, **kwargs)

@@ -1,0 +1,495 @@
+"""``Trainer(strategy="megatron")``: Megatron-style parallelism for an ordinary LightningModule.
+
+This file speaks Lightning; everything it drives (process groups, schedules, gradient
+reduction, clipping) lives below it and knows nothing of Lightning.
+
+One training step (one Lightning batch per data-parallel rank and optimizer step): split the
+batch into micro-batches, run the pipeline schedule (forward and backward of every micro-batch,
+the user's ``training_step`` on the last stage), reduce gradients across the parallel groups,
+then let Lightning clip and step. Lightning's own backward is a no-op: the schedule ran it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+
+from .distributed import clip_grad_norm, finalize_model_grads, split_into_microbatches
+from .parallel import ParallelLayout, ParallelState
+from .parallel.topology import DEFAULT_ORDER, check_size
+from .pipeline import resolve_group_size
+from .pipeline.executor import forward_backward
+from .step_logging import StepLogCapture, broadcast_from_last_stage, replay
+from .tensor_parallel.random import seed_tracker
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+
+
+class MegatronStrategy(ParallelStrategy):
+    """Tensor (+sequence), pipeline (1F1B / interleaved), data, context and expert parallelism.
+
+    Args:
+        tensor_model_parallel_size / pipeline_model_parallel_size / context_parallel_size /
+        expert_model_parallel_size / expert_tensor_parallel_size: the layout; the data-parallel
+            size is what is left of the world (``world / (tp·cp·pp)``).
+        virtual_pipeline_model_parallel_size: local model chunks per pipeline rank (interleaved
+            1F1B); build the model with ``lightning_megatron.pipeline.VirtualChunks``.
+        order: rank order of the axes, fastest first (seed 001).
+        sequence_parallel: shard activations outside tensor-parallel regions along the sequence.
+        micro_batch_size: samples per micro-batch; the per-rank batch must be a multiple of it.
+            ``None`` runs each batch as one micro-batch.
+        timeout: process-group timeout; a rank that fails makes its peers fail after this.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                 virtual_pipeline_model_parallel_size: Optional[int] = None, context_parallel_size: int = 1,
+                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
+                 order: str = DEFAULT_ORDER, sequence_parallel: bool = False,
+                 micro_batch_size: Optional[int] = None,
+                 microbatch_group_size_per_vp_stage: Optional[int] = None,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+                 start_method: str = "popen", cuda_graph: Optional[str] = None,
+                 accelerator: Optional[Accelerator] = None, parallel_devices: Optional[List[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None,
+                 checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.tp = check_size("tensor_model_parallel_size", tensor_model_parallel_size)
+        self.pp = check_size("pipeline_model_parallel_size", pipeline_model_parallel_size)
+        self.cp = check_size("context_parallel_size", context_parallel_size)
+        self.ep = check_size("expert_model_parallel_size", expert_model_parallel_size)
+        self.etp = None if expert_tensor_parallel_size is None else check_size(
+            "expert_tensor_parallel_size", expert_tensor_parallel_size)
+        self.vpp = None if virtual_pipeline_model_parallel_size is None else check_size(
+            "virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size={self.vpp} needs "
+                             "pipeline_model_parallel_size >= 2; raise it or drop the virtual stages.")
+        if micro_batch_size is not None:
+            check_size("micro_batch_size", micro_batch_size)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
+        if cuda_graph not in (None, "none"):
+            raise ValueError(f"cuda_graph={cuda_graph!r}: CUDA graphs are not available in this version; "
+                             "leave cuda_graph unset.")
+        self.order = order
+        self.sequence_parallel = sequence_parallel
+        self.micro_batch_size = micro_batch_size
+        self.microbatch_group_size_per_vp_stage = microbatch_group_size_per_vp_stage
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.num_nodes = 1
+        self.parallel_state: Optional[ParallelState] = None
+        self._accumulating = False
+        self._stashed_grads: List[Any] = []
+
+    # -- Lightning plumbing --------------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning then shards the data with a DistributedSampler (by data-parallel rank)."""
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """Data is sharded by data-parallel rank: tp/cp/pp peers read the same samples."""
+        state = self._state()
+        return {"num_replicas": state.dp_size, "rank": state.dp_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        world = self.num_nodes * self.num_processes
+        # pure validation first: every rank raises the same error before any group exists
+        layout = ParallelLayout(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
+                                order=self.order)
+        if self.vpp and self.vpp > 1 and self.micro_batch_size is None:
+            raise ValueError("virtual_pipeline_model_parallel_size > 1 needs micro_batch_size: the interleaved "
+                             "schedule needs at least pipeline_model_parallel_size micro-batches per step.")
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        kwargs: Dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        state = ParallelState(layout, timeout=self._timeout, virtual_pipeline_size=self.vpp)
+        state.sequence_parallel = self.sequence_parallel
+        self.parallel_state = state.activate()
+        self._seed_identically()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _seed_identically(self) -> None:
+        """Replicated activations need identical dropout on every tp rank: one seed for the world."""
+        state = self._state()
+        seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long)
+        dist.broadcast(seed.to(self.root_device), src=0) if self.root_device.type != "cpu" else dist.broadcast(seed, 0)
+        seed = int(seed.item())
+        torch.manual_seed(seed)
+        seed_tracker(state.rng_tracker, seed, state.tp_rank, state.ep_rank, state.etp_rank)
+
+    def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
+        assert self.model is not None and self.accelerator is not None
+        precision = trainer.precision
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(f"precision={precision!r} is not supported by the megatron strategy; use one of "
+                             f"{list(SUPPORTED_PRECISION)}.")
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._make_replicas_identical()
+        self._metrics_sync_over_data_parallel()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_gradient_clipping()
+        self._install_found_inf_sync()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _state(self) -> ParallelState:
+        if self.parallel_state is None:
+            raise RuntimeError("the megatron strategy's process groups do not exist yet (before setup_environment).")
+        return self.parallel_state
+
+    @torch.no_grad()
+    def _make_replicas_identical(self) -> None:
+        """Copies of one parameter must start equal: broadcast from the first rank of each group."""
+        state = self._state()
+        for param in list(self.model.parameters()) + list(self.model.buffers()):
+            expert = getattr(param, "expert_parallel", False)
+            name = "edp" if expert else "dp-cp"
+            if state.size(name) > 1:
+                dist.broadcast(param.data, src=state.ranks(name)[0], group=state.group(name))
+            if not expert and not getattr(param, "tensor_model_parallel", False) and state.tp_size > 1:
+                dist.broadcast(param.data, src=state.ranks("tp")[0], group=state.tp_group)
+
+    def _metrics_sync_over_data_parallel(self) -> None:
+        """torchmetrics sync over data-parallel replicas only: tp/pp peers saw the same samples."""
+        from torchmetrics import Metric
+
+        group = self._state().dp_cp_group
+        for module in self.model.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = group
+
+    # -- the training step -----------------------------------------------------------------------------
+
+    def _pipeline_roots(self) -> List[nn.Module]:
+        """Outermost modules that take the previous stage's activation (``set_input_tensor``)."""
+        roots: List[nn.Module] = []
+        for name, module in self.lightning_module.named_modules():
+            if name and callable(getattr(module, "set_input_tensor", None)) and not any(
+                    name.startswith(r + ".") for r, _ in roots):
+                roots.append((name, module))
+        return [m for _, m in roots]
+
+    def _activation_dtype(self) -> torch.dtype:
+        for param in self.lightning_module.parameters():
+            if param.is_floating_point():
+                return param.dtype
+        return torch.float32
+
+    def _run_schedule(self, batch: Any, run_last_stage: Callable[[Any], Any], forward_only: bool,
+                      step_context: Callable[[], Any], passthrough_metrics: bool) -> Dict[str, Any]:
+        state = self._state()
+        module = self.lightning_module
+        microbatches = split_into_microbatches(batch, self.micro_batch_size)
+        chunks = state.virtual_pipeline_size or 1
+        if chunks > 1:
+            resolve_group_size(len(microbatches), state.pp_size, chunks, self.microbatch_group_size_per_vp_stage)
+        roots = self._pipeline_roots()
+        capture = StepLogCapture(module, passthrough_metrics)
+        results: List[Any] = []
+
+        def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
+            for root in roots:
+                root.set_input_tensor(ctx.input_tensor)
+            with step_context():
+                if not ctx.is_last_stage:
+                    return module(microbatch)
+                with capture.microbatch():
+                    out = run_last_stage(microbatch)
+            loss, reported = _loss_of(out, forward_only)
+            results.append(out if forward_only else reported)
+            return loss, reported
+
+        output = forward_backward(step, microbatches, [module] * chunks, num_microbatches=len(microbatches),
+                                  dtype=self._activation_dtype(), variable_seq_lengths=True,
+                                  forward_only=forward_only,
+                                  microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
+                                  pp_group=state.pp_group if state.pp_size > 1 else None,
+                                  device=self.root_device)
+        is_last = state.is_pipeline_last_stage(ignore_virtual=True)
+        reported = None
+        if is_last and not forward_only:
+            reported = float(torch.stack([r.float() for r in results]).mean()) if results else None
+        packet = broadcast_from_last_stage({"loss": reported, "logs": capture.averaged() if is_last else {}}, state)
+        replay(module, packet["logs"], self.root_device, state.dp_cp_group)
+        loss = packet["loss"]
+        if loss is not None and state.size("dp-cp") > 1:
+            # the step's loss is the mean over the whole (global) batch, as one process reports it
+            loss_tensor = torch.tensor([loss], dtype=torch.float64, device=self.root_device)
+            dist.all_reduce(loss_tensor, group=state.dp_cp_group)
+            loss = float(loss_tensor) / state.size("dp-cp")
+        return {"loss": loss, "outputs": results if is_last else None, "pipeline": output}
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        trainer = module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "scaler", None)
+
+        def last_stage(microbatch: Any) -> Any:
+            out = module.training_step(microbatch, *args[1:], **kwargs)
+            loss = _extract_loss(out)
+            backward = loss / accumulate
+            return (scaler.scale(backward) if scaler is not None else backward), loss.detach()
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if args[1] % accumulate == 0:   # first batch of an accumulation window: start from zero
+            for param in params:
+                param.grad = None
+        done = self._run_schedule(args[0], last_stage, False, self.precision_plugin.train_step_context,
+                                  passthrough_metrics=self._state().pp_size == 1)
+        if not self._accumulating:
+            finalize_model_grads([self.model], self._state())
+        # Lightning zeroes gradients between training_step and backward: keep ours out of its reach
+        self._stashed_grads = [(param, param.grad) for param in params]
+        for param in params:
+            param.grad = None
+        return {"loss": torch.tensor(done["loss"], device=self.root_device)}
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule already ran every backward inside ``training_step``: hand its gradients back."""
+        from lightning.pytorch.trainer import call
+
+        for param, grad in self._stashed_grads:
+            param.grad = grad
+        self._stashed_grads = []
+        trainer = self.lightning_module.trainer
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
+        return closure_loss
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation across Lightning batches: reduce only before the optimizer step."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def _eval_step(self, hook: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        done = self._run_schedule(args[0], lambda mb: getattr(module, hook)(mb, *args[1:], **kwargs), True,
+                                  context, passthrough_metrics=self._state().pp_size == 1)
+        outputs = done["outputs"]
+        if outputs is None:
+            return None
+        return outputs[0] if len(outputs) == 1 else _concat(outputs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+        return broadcast_from_last_stage(_to_cpu(out), self._state())   # rank 0 holds the first stage
+
+    # -- gradients -------------------------------------------------------------------------------------
+
+    def _install_gradient_clipping(self) -> None:
+        """Lightning clips per process; a parallel model must clip by the norm of the whole model."""
+        state = self._state()
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm(params, float(clip_val), state)
+
+        def clip_grad_by_value(optimizer: Any, clip_val: Union[int, float]) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        plugin.clip_grad_by_value = clip_grad_by_value
+
+    def _install_found_inf_sync(self) -> None:
+        """16-mixed: every rank must skip the same steps, so overflow found anywhere counts everywhere."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None:
+            return
+        unscale = scaler.unscale_
+
+        def unscale_and_agree(optimizer: Any) -> None:
+            unscale(optimizer)
+            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            for tensor in found.values():
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+        scaler.unscale_ = unscale_and_agree
+
+    # -- collectives with Lightning's semantics on the world group -------------------------------------
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints: one file per rank (resharding is the checkpoint module's job) ---------------------
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        own = {"state_dict": checkpoint.pop("state_dict"),
+               "optimizer_states": checkpoint.pop("optimizer_states", [])}
+        torch.save(own, path / f"rank_{self.global_rank:05d}.pt")
+        if self.is_global_zero:
+            torch.save(checkpoint, path / "meta.pt")
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        own = path / f"rank_{self.global_rank:05d}.pt"
+        if not own.is_file():
+            raise FileNotFoundError(f"{own} is missing: this checkpoint was saved with another world size or "
+                                    "layout, which this per-rank format cannot reshard.")
+        checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        checkpoint.update(torch.load(own, map_location="cpu", weights_only=False))
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def teardown(self) -> None:
+        if self.parallel_state is not None:
+            self.parallel_state.destroy()
+            self.parallel_state = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls,
+                                   description="Megatron-style tensor/pipeline/data/context/expert parallelism")
+
+
+def _extract_loss(out: Any) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("training_step must return the loss (a scalar tensor) or a dict with a 'loss' key under "
+                        f"the megatron strategy, got {type(out).__name__}.")
+    return loss
+
+
+def _loss_of(out: Any, forward_only: bool) -> Any:
+    """What the executor needs from the last stage: (loss for backward, what to report)."""
+    if forward_only:
+        return torch.zeros(()), None
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_cpu(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _concat(outputs: List[Any]) -> Any:
+    """Per-micro-batch outputs joined back into one batch's output."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs) if first.dim() else torch.stack(outputs).mean()
+    if isinstance(first, Mapping):
+        return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
+    return outputs

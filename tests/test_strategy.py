@@ -1,0 +1,29 @@
+"""Trainer(strategy="megatron") trains a tiny GPT to the single-process losses under every layout."""
+
+import pytest
+
+from lightning_megatron.testing import run_on_ranks
+from strategy_utils import fit_tiny_gpt
+
+LAYOUTS = {
+    "dp2": (2, dict()),
+    "tp2": (2, dict(tensor_model_parallel_size=2)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+    "tp2pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=2)),
+    "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, micro_batch_size=2)),
+    "dp2tp2": (4, dict(tensor_model_parallel_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(fit_tiny_gpt, 1, dict(), trainer_kwargs=dict(gradient_clip_val=0.05), timeout=120)[0]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_losses_match_single_process_with_clipping(reference, name):
+    world, kwargs = LAYOUTS[name]
+    out = run_on_ranks(fit_tiny_gpt, world, kwargs, trainer_kwargs=dict(gradient_clip_val=0.05), timeout=180)
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+        assert rank_out["logged"]["train_loss"] == pytest.approx(reference["logged"]["train_loss"], rel=1e-5)
