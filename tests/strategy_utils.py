@@ -54,17 +54,52 @@ class TinyGPT(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwargs=None, module_kwargs=None):
+def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwargs=None, module_kwargs=None,
+                 val_dataloader=None, checkpoint_to=None, resume_from=None, module_cls=None, dataset_size=64):
     """Train on every rank of the harness world (the global batch split over data-parallel ranks)."""
     world = int(__import__("os").environ["WORLD_SIZE"])
     model_parallel = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get(
         "pipeline_model_parallel_size", 1) * strategy_kwargs.get("context_parallel_size", 1)
-    batch_size = global_batch_size // (world // model_parallel)
+    batch_size = global_batch_size // max(1, world // max(1, model_parallel))
     L.seed_everything(0, verbose=False)
-    module = TinyGPT(**(module_kwargs or {}))
+    module = (module_cls or TinyGPT)(**(module_kwargs or {}))
+    options = dict(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0)
+    options.update(trainer_kwargs or {})
+    trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world, **options)
+    trainer.fit(module, DataLoader(TokenData(n=dataset_size), batch_size=batch_size, shuffle=False), val_dataloader,
+                ckpt_path=resume_from)
+    if checkpoint_to is not None:
+        trainer.save_checkpoint(checkpoint_to)
+    return {"losses": module.step_losses, "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "probe": getattr(module, "sums", None)}
+
+
+class TinyGPTWithAccuracy(TinyGPT):
+    """Adds a torchmetrics next-token accuracy over the validation set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        import torchmetrics
+
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=VOCAB)
+
+    def validation_step(self, batch, batch_idx):
+        from lightning_megatron.tensor_parallel import gather_from_tensor_parallel_region
+
+        logits = gather_from_tensor_parallel_region(self.model(batch["input_ids"]))[..., :VOCAB]
+        self.val_acc(logits.argmax(-1), batch["labels"])
+        self.log("val_acc", self.val_acc, on_epoch=True)
+        self.log("val_loss", self(batch).mean(), sync_dist=True)
+
+
+def validate_tiny_gpt(strategy_kwargs, global_batch_size=8, module_cls=TinyGPTWithAccuracy):
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    mp = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get("pipeline_model_parallel_size", 1)
+    L.seed_everything(0, verbose=False)
+    module = module_cls()
     trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world,
-                        max_steps=max_steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        **(trainer_kwargs or {}))
-    trainer.fit(module, DataLoader(TokenData(), batch_size=batch_size, shuffle=False))
-    return {"losses": module.step_losses, "logged": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    metrics = trainer.validate(module, DataLoader(TokenData(n=32, seed=1), batch_size=global_batch_size // (world // mp)),
+                               verbose=False)
+    return {k: float(v) for k, v in metrics[0].items()}

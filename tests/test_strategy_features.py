@@ -1,0 +1,142 @@
+"""Strategy behaviour beyond equal losses: registry, metrics, validation, accumulation, precision,
+checkpoints, and errors raised the same way on every rank."""
+
+import os
+import time
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_megatron
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.testing import run_on_ranks
+from strategy_utils import TinyGPT, TokenData, fit_tiny_gpt, validate_tiny_gpt
+from torch.utils.data import DataLoader
+
+
+def _registered():
+    trainer = L.Trainer(strategy="megatron", accelerator="cpu", devices=1, logger=False)
+    return type(trainer.strategy).__name__
+
+
+def test_strategy_name_is_registered():
+    assert "megatron" in L.pytorch.strategies.StrategyRegistry
+    assert run_on_ranks(_registered, 1, timeout=60) == ["MegatronStrategy"]
+
+
+@pytest.mark.parametrize("world, kwargs", [(4, dict(tensor_model_parallel_size=2)),
+                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2))])
+def test_validation_metrics_equal_single_process(world, kwargs):
+    ref = run_on_ranks(validate_tiny_gpt, 1, dict(), timeout=120)[0]
+    out = run_on_ranks(validate_tiny_gpt, world, kwargs, timeout=180)
+    for metrics in out:
+        assert metrics["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+        if kwargs.get("pipeline_model_parallel_size", 1) == 1:
+            # torchmetrics syncs over data-parallel replicas only: the exact epoch accuracy
+            assert metrics["val_acc"] == pytest.approx(ref["val_acc"], abs=1e-7)
+
+
+def test_sanity_check_and_validation_run_under_pipeline():
+    kwargs = dict(pipeline_model_parallel_size=2, micro_batch_size=2)
+    val = DataLoader(TokenData(n=16, seed=1), batch_size=4)
+    ref = run_on_ranks(fit_tiny_gpt, 1, dict(), trainer_kwargs=dict(num_sanity_val_steps=2, val_check_interval=2),
+                       val_dataloader=val, timeout=120)[0]
+    out = run_on_ranks(fit_tiny_gpt, 2, kwargs, trainer_kwargs=dict(num_sanity_val_steps=2, val_check_interval=2),
+                       val_dataloader=val, timeout=180)
+    for rank_out in out:
+        assert rank_out["logged"]["val_loss"] == pytest.approx(ref["logged"]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world, kwargs", [(2, dict(pipeline_model_parallel_size=2, micro_batch_size=1)),
+                                           (2, dict())])
+def test_gradient_accumulation_across_batches(world, kwargs):
+    trainer_kwargs = dict(accumulate_grad_batches=2)
+    ref = run_on_ranks(fit_tiny_gpt, 1, dict(), global_batch_size=4, trainer_kwargs=trainer_kwargs,
+                       max_steps=3, timeout=120)[0]
+    out = run_on_ranks(fit_tiny_gpt, world, kwargs, global_batch_size=4, trainer_kwargs=trainer_kwargs,
+                       max_steps=3, timeout=180)
+    assert len(ref["losses"]) == 6
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_low_precision_matches_single_process(precision):
+    trainer_kwargs = dict(precision=precision)
+    ref = run_on_ranks(fit_tiny_gpt, 1, dict(), trainer_kwargs=trainer_kwargs, max_steps=2, timeout=120)[0]
+    out = run_on_ranks(fit_tiny_gpt, 2, dict(tensor_model_parallel_size=2), trainer_kwargs=trainer_kwargs,
+                       max_steps=2, timeout=180)
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(ref["losses"], rel=2e-2)
+
+
+LAYOUTS = [(2, dict()), (2, dict(tensor_model_parallel_size=2)), (2, dict(pipeline_model_parallel_size=2,
+           micro_batch_size=2)), (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+           micro_batch_size=2)), (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+           micro_batch_size=2)), (4, dict(tensor_model_parallel_size=2))]
+
+
+def _save_and_resume(kwargs, folder):
+    world = os.environ["WORLD_SIZE"]
+    first = fit_tiny_gpt(kwargs, max_steps=2, checkpoint_to=folder, dataset_size=16)
+    os.environ["WORLD_SIZE"] = world   # Lightning's teardown removes it; a second Trainer needs it
+    resumed = fit_tiny_gpt(kwargs, max_steps=4, resume_from=folder, dataset_size=16)
+    return first["losses"], resumed["losses"]
+
+
+@pytest.mark.parametrize("world, kwargs", LAYOUTS)
+def test_save_checkpoint_and_resume_under_every_layout(tmp_path, world, kwargs):
+    """Resuming continues exactly as one process resuming the same checkpoint does."""
+    ref_first, ref_resumed = run_on_ranks(_save_and_resume, 1, {}, str(tmp_path / "ref"), timeout=120)[0]
+    out = run_on_ranks(_save_and_resume, world, kwargs, str(tmp_path / "ckpt"), timeout=180)
+    for first, resumed in out:
+        assert first == pytest.approx(ref_first, rel=1e-5)
+        assert len(resumed) == 2 and resumed == pytest.approx(ref_resumed, rel=1e-5)
+
+
+def _fit_error(kwargs, trainer_kwargs=None, global_batch_size=8):
+    try:
+        fit_tiny_gpt(kwargs, global_batch_size=global_batch_size, trainer_kwargs=trainer_kwargs)
+    except Exception as err:  # noqa: BLE001 - the test compares what every rank raised
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.parametrize("world, kwargs, trainer_kwargs, batch, match", [
+    (3, dict(tensor_model_parallel_size=2), None, 6, "world_size=3 is not divisible by tp*cp*pp"),
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=3), None, 8,
+     "micro_batch_size=3 does not divide"),
+    (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, micro_batch_size=4), None, 4,
+     "num_microbatches"),
+    (2, dict(tensor_model_parallel_size=2), dict(precision="64-true"), 8, "precision='64-true' is not supported"),
+    (2, dict(tensor_model_parallel_size=0), None, 8, "tensor_model_parallel_size must be >= 1"),
+])
+def test_invalid_configuration_raises_the_same_error_on_every_rank(world, kwargs, trainer_kwargs, batch, match):
+    out = run_on_ranks(_fit_error, world, kwargs, trainer_kwargs, batch, timeout=120)
+    assert out[0] is not None and match in out[0], out[0]
+    assert all(o == out[0] for o in out)
+
+
+class FailsOnLastStage(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("user code failed on the last stage")
+        return super().training_step(batch, batch_idx)
+
+
+def _fail_mid_training():
+    start = time.monotonic()
+    try:
+        fit_tiny_gpt(dict(pipeline_model_parallel_size=2, micro_batch_size=2, timeout=timedelta(seconds=8)),
+                     module_cls=FailsOnLastStage)
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err)[:200], time.monotonic() - start
+    return None
+
+
+def test_a_rank_failing_mid_training_ends_the_run_within_the_timeout():
+    first, last = run_on_ranks(_fail_mid_training, 2, timeout=90)
+    assert last[1] == "user code failed on the last stage"
+    assert first is not None and first[2] < 60, first     # the first stage gave up waiting, it did not hang
