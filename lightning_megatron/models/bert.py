@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context_parallel import context_parallel_first_token
 from ..parallel import get_parallel_state
 from ..pipeline.stack import chunk_position
 from ..tensor_parallel import (
@@ -41,7 +42,8 @@ class BertModel(nn.Module):
 
     ``forward(input_ids [b, s], attention_mask [b, s] (1 = token, 0 = padding), token_type_ids)``.
     Earlier chunks return ``[s, b, h]`` for the next stage and later ones read
-    ``set_input_tensor``.
+    ``set_input_tensor``. Under context parallelism the inputs and ``hidden_states`` are this
+    rank's ``split_for_context_parallel`` slice; ``pooled`` is the whole sequence's, on every cp rank.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_position_embeddings: int = 512,
@@ -82,7 +84,9 @@ class BertModel(nn.Module):
         if self.config.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         hidden = hidden.transpose(0, 1)                                     # [b, s, h]
-        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
+        pooled = None
+        if self.pooler is not None:   # [CLS] is global position 0: on cp rank 0, broadcast over cp
+            pooled = torch.tanh(self.pooler(context_parallel_first_token(hidden)))
         return BertOutput(hidden, pooled)
 
 
@@ -108,10 +112,15 @@ class BertLMHead(nn.Module):
 class BertForMaskedLM(nn.Module):
     """BERT + masked-LM head; with ``labels`` (-100 = not masked) returns the per-token loss."""
 
+    # the last stage's copy of the tied table is this weight in the single-process model
+    tied_weights = {"output_weight": "bert.embedding.word_embeddings.weight"}
+
     def __init__(self, config: TransformerConfig, vocab_size: int, **bert_kwargs) -> None:
         super().__init__()
         self.bert = BertModel(config, vocab_size, add_pooler=False, **bert_kwargs)
         self.lm_head = BertLMHead(config, self.bert.padded_vocab_size) if self.bert.post_process else None
+        if self.lm_head is not None:
+            self.lm_head.bias.vocab_size = vocab_size  # rows past it are tp-dependent padding
         # the last stage's copy of the tied table when the pipeline puts it on another stage
         self.output_weight = (output_weight_for_stage(config, vocab_size, self.bert.padded_vocab_size, tied=True)
                               if self.bert.post_process and not self.bert.pre_process else None)

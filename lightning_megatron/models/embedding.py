@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context_parallel import context_parallel_position_ids
 from ..parallel import get_parallel_state
 from ..tensor_parallel import (
     VocabParallelEmbedding, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -29,7 +30,9 @@ class LanguageModelEmbedding(nn.Module):
     """word (vocab-parallel) + learned position (+ token type) embeddings, returned ``[s, b, h]``.
 
     With sequence parallelism the word lookup is reduce-scattered along the sequence and each
-    rank adds only its positions, so no rank ever holds the full ``[s, b, h]`` embedding.
+    rank adds only its positions, so no rank ever holds the full ``[s, b, h]`` embedding. Under
+    context parallelism ``input_ids`` is this rank's split and positions default to its tokens'
+    global positions.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, padded_vocab_size: int,
@@ -59,11 +62,14 @@ class LanguageModelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s = input_ids.shape
-        if s > self.max_sequence_length:
-            raise ValueError(f"sequence length {s} exceeds max_sequence_length={self.max_sequence_length}; "
-                             "raise it when building the model or truncate the inputs.")
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        state = get_parallel_state()
+        if s * state.cp_size > self.max_sequence_length:
+            share = f" ({s} on each of {state.cp_size} context-parallel ranks)" if state.cp_size > 1 else ""
+            raise ValueError(f"sequence length {s * state.cp_size}{share} exceeds max_sequence_length="
+                             f"{self.max_sequence_length}; raise it when building the model or truncate the inputs.")
+        if position_ids is None:   # under context parallelism: the global positions of this rank's tokens
+            position_ids = context_parallel_position_ids(s, state.cp_size, state.cp_rank, input_ids.device)
+            position_ids = position_ids.expand(b, s)
         hidden = self.word_embeddings(input_ids.t())                       # [s(/tp), b, h]
         hidden = hidden + self.position_embeddings(self._local_slice(position_ids))
         if self.tokentype_embeddings is not None:

@@ -20,8 +20,13 @@ class GPTModel(nn.Module):
     ``forward(input_ids [b, s], labels=None)``: on the last chunk the vocab-parallel logits
     ``[b, s, V_padded/tp]`` or, with ``labels``, the per-token loss ``[b, s]``; on other chunks
     the hidden states ``[s, b, h]`` for the next stage. Later chunks take their input from
-    ``set_input_tensor`` (the pipeline executor's hand-over).
+    ``set_input_tensor`` (the pipeline executor's hand-over). Under context parallelism every
+    ``[b, s]`` input is this rank's ``split_for_context_parallel`` slice, the loss covers this
+    rank's tokens, and ``context_parallel_loss_mean`` turns it into the mean over all of them.
     """
+
+    # the last stage's copy of the tied table is this weight in the single-process model
+    tied_weights = {"output_weight": "embedding.word_embeddings.weight"}
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  vp_rank: int = 0, tie_word_embeddings: bool = True, label_smoothing: float = 0.0,

@@ -3,7 +3,8 @@
 Q/K/V come from one column-parallel GEMM whose output rows are laid out head by head
 (``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``), so a contiguous tp shard holds whole heads; the output
 projection is row-parallel, so one all-reduce (or reduce-scatter under sequence parallelism)
-per attention block. Activations are sequence-first, ``[s, b, h]``.
+per attention block. Activations are sequence-first, ``[s, b, h]``. Under context parallelism
+``s`` is this rank's share of the sequence and ``context_parallel.py`` supplies the other keys.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide, init_method_normal
 from .config import TransformerConfig
+from .context_parallel import context_parallel_attention, context_parallel_rng_fork
 
 
 def attention_bias(attention_mask: Optional[torch.Tensor], causal: bool, seq_len: int,
@@ -57,14 +59,18 @@ class SelfAttention(nn.Module):
         s, b = mixed.shape[0], mixed.shape[1]
         q, k, v = mixed.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
         causal = self.config.attn_mask_type == "causal"
-        mask = attention_bias(attention_mask, causal, s, hidden.device)
         dropout = self.config.attention_dropout if self.training else 0.0
-        # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
-        # sequence parallelism the whole block already runs on the tp-rank generator
-        forked = dropout > 0 and not self.config.sequence_parallel
-        fork = get_parallel_state().rng_tracker.fork() if forked else contextlib.nullcontext()
-        with fork:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                     is_causal=causal and mask is None)
+        state = get_parallel_state()
+        if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
+            rng = context_parallel_rng_fork(state.rng_tracker, state.cp_rank) if dropout > 0 else None
+            context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng)
+        else:
+            mask = attention_bias(attention_mask, causal, s, hidden.device)
+            # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
+            # sequence parallelism the whole block already runs on the tp-rank generator
+            forked = dropout > 0 and not self.config.sequence_parallel
+            with state.rng_tracker.fork() if forked else contextlib.nullcontext():
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                         is_causal=causal and mask is None)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(context)
