@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
+from .context_parallel import split_for_context_parallel
 from .distributed import clip_grad_norm, finalize_model_grads, split_into_microbatches
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
@@ -250,6 +251,8 @@ class MegatronStrategy(ParallelStrategy):
                       step_context: Callable[[], Any], passthrough_metrics: bool) -> Dict[str, Any]:
         state = self._state()
         module = self.lightning_module
+        if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
+            batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1)
         microbatches = split_into_microbatches(batch, self.micro_batch_size)
         chunks = state.virtual_pipeline_size or 1
         if chunks > 1:

@@ -12,6 +12,8 @@ LAYOUTS = {
     "tp2pp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=2)),
     "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, micro_batch_size=2)),
     "dp2tp2": (4, dict(tensor_model_parallel_size=2)),
+    "cp2": (2, dict(context_parallel_size=2)),
+    "tp2cp2sp": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True)),
 }
 
 

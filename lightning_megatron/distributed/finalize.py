@@ -3,8 +3,12 @@
 1. sequence-parallel parameters (norms, row-parallel biases): sum over tp, each rank saw a slice
    of the sequence;
 2. tied word embeddings on the first and last stage: sum over the embedding group;
-3. data parallelism: average over the dense ``dp-cp`` group, or over ``edp`` for expert
-   parameters (``param.expert_parallel = True``), one coalesced all-reduce per (group, dtype).
+3. data parallelism: sum over the dense ``dp-cp`` group, or over ``edp`` for expert parameters
+   (``param.expert_parallel = True``), one coalesced all-reduce per (group, dtype), divided by
+   the dp·cp size. Every rank's loss is the mean over its own tokens, so averaging over dp·cp is
+   the mean over the global batch. An expert's ``edp`` group also holds the ranks that routed
+   other shares of the same tokens (the MoE layer splits tokens over tp): their gradients add up,
+   so the divisor is dp·cp there too, not the group size.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from ..pipeline.shared_embeddings import allreduce_shared_embedding_grads
 from ..tensor_parallel.utils import allreduce_sequence_parallel_grads
 
 
-def _all_reduce_coalesced(grads: List[torch.Tensor], group: dist.ProcessGroup, average: bool) -> None:
+def _all_reduce_coalesced(grads: List[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
-    if average:
-        flat /= dist.get_world_size(group)
+    if divisor != 1:
+        flat /= divisor
     for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(synced)
 
@@ -54,4 +58,4 @@ def finalize_model_grads(modules: Iterable[nn.Module], state: ParallelState,
         return
     for (name, _), grads in data_parallel_buckets(params).items():
         if state.size(name) > 1:
-            _all_reduce_coalesced(grads, state.group(name), average=True)
+            _all_reduce_coalesced(grads, state.group(name), divisor=state.size("dp-cp"))

@@ -19,6 +19,7 @@ from ..pipeline.stack import chunk_position
 from ..tensor_parallel import (
     gather_from_sequence_parallel_region, init_method_normal, pad_vocab_size, vocab_parallel_cross_entropy,
 )
+from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig, build_norm, seeded
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
 
@@ -51,6 +52,7 @@ class BertModel(nn.Module):
         super().__init__()
         if config.attn_mask_type != "padding":
             raise ValueError("BertModel is bidirectional: use TransformerConfig(attn_mask_type='padding').")
+        config = with_strategy_defaults(config)
         self.config = config
         self.vocab_size = vocab_size
         self.padded_vocab_size = pad_vocab_size(vocab_size, get_parallel_state().tp_size)

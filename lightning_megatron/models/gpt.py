@@ -10,6 +10,7 @@ from torch import nn
 from ..parallel import get_parallel_state
 from ..pipeline.stack import chunk_position
 from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
+from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
 
@@ -34,6 +35,7 @@ class GPTModel(nn.Module):
         super().__init__()
         if config.attn_mask_type != "causal":
             raise ValueError("GPTModel needs TransformerConfig(attn_mask_type='causal').")
+        config = with_strategy_defaults(config)
         self.config = config
         self.vocab_size = vocab_size
         self.padded_vocab_size = pad_vocab_size(vocab_size, get_parallel_state().tp_size)

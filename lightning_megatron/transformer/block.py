@@ -11,7 +11,7 @@ from torch import nn
 from ..parallel import get_parallel_state
 from ..pipeline.stack import build_stage_layers, chunk_position
 from ..tensor_parallel import checkpoint
-from .config import TransformerConfig
+from .config import TransformerConfig, with_strategy_defaults
 from .layer import TransformerLayer
 from .norm import build_norm
 
@@ -27,6 +27,7 @@ class TransformerBlock(nn.Module):
                  layer_factory: Optional[Callable[[int], nn.Module]] = None,
                  first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
         super().__init__()
+        config = with_strategy_defaults(config)
         self.config = config
         build = layer_factory or (lambda index: TransformerLayer(config, index + 1))
         self.layers, self.layer_indices = build_stage_layers(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,3 +80,15 @@ class TransformerConfig:
         if self.scale_output_layer_init:
             return self.init_method_std / (2.0 * self.num_layers) ** 0.5
         return self.init_method_std
+
+
+def with_strategy_defaults(config: TransformerConfig) -> TransformerConfig:
+    """``config`` with the strategy's ``sequence_parallel=True`` applied, if the strategy asked for it.
+
+    Users set sequence parallelism once, on ``MegatronStrategy``; every model built under it follows.
+    """
+    from ..parallel import get_parallel_state, has_parallel_state
+
+    if has_parallel_state() and get_parallel_state().sequence_parallel and not config.sequence_parallel:
+        return dataclasses.replace(config, sequence_parallel=True)
+    return config

@@ -1,0 +1,5 @@
+"""Pre-training recipes: LightningModules and data a LightningCLI config can name."""
+
+from .gpt import GPTPretraining, PatternTokens
+
+__all__ = ["GPTPretraining", "PatternTokens"]
