@@ -1,0 +1,68 @@
+"""Train the GPT recipe under MegatronStrategy on GPUs (NCCL) and print every step's loss.
+
+Run once per layout and compare the printed losses (float32: equal to ~1e-5 across layouts):
+
+    python benchmarks/gpu_strategy_check.py --devices 1
+    python benchmarks/gpu_strategy_check.py --devices 2 --tp 2
+    python benchmarks/gpu_strategy_check.py --devices 2 --pp 2 --micro-batch-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import lightning as L
+import torch
+
+from lightning_megatron import MegatronStrategy
+from lightning_megatron.pretrain import GPTPretraining, PatternTokens
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses, self.start = [], None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.start is None and batch_idx == 2:
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--global-batch", type=int, default=16)
+    args = parser.parse_args()
+    L.seed_everything(0, verbose=False)
+    dp = args.devices // (args.tp * args.pp)
+    module = GPTPretraining(vocab_size=512, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=8)
+    data = PatternTokens(vocab_size=512, seq_length=128, batch_size=args.global_batch // dp, train_size=4096)
+    recorder = Recorder()
+    strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                micro_batch_size=args.micro_batch_size)
+    trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy=strategy, precision=args.precision,
+                        max_steps=args.steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[recorder])
+    trainer.fit(module, data)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - recorder.start
+    if trainer.is_global_zero:
+        steps = len(recorder.losses) - 2
+        print(f"layout devices={args.devices} tp={args.tp} pp={args.pp} mbs={args.micro_batch_size} "
+              f"precision={args.precision} backend={torch.distributed.get_backend()} "
+              f"{steps * args.global_batch * 128 / elapsed:.0f} tokens/s")
+        print("losses " + " ".join(f"{l:.6f}" for l in recorder.losses), flush=True)
+
+
+if __name__ == "__main__":
+    main()
