@@ -1,8 +1,9 @@
 """Between a rank's local parameters and the single-process model they are a piece of.
 
 A parameter's *global name* is its name in the model built with PP=1 (the layer index in
-``layers.<i>`` is the global one) and its *full tensor* is the one TP=1 would hold. Importers,
-exporters and checkpoints all go through these two mappings.
+``layers.<i>`` is the global one, no ``chunks.<v>.`` of virtual pipeline chunks, and the last
+stage's copy of a tied weight named after the weight it copies) and its *full tensor* is the one
+TP=1 would hold. Importers, exporters and checkpoints all go through these two mappings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..pipeline.chunks import VirtualChunks
 from ..tensor_parallel.mappings import gather_along_dim
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest>.*)$")
@@ -35,6 +37,49 @@ def global_name(local_name: str, maps: Dict[str, list]) -> str:
     if match and match["prefix"] in maps:
         return f"{match['prefix']}.{maps[match['prefix']][int(match['index'])]}.{match['rest']}"
     return local_name
+
+
+def global_names(model: nn.Module, buffers: bool = False) -> Dict[str, str]:
+    """``{local name: global name}`` for every parameter of ``model`` (each once) and, with
+    ``buffers``, every persistent buffer (those a ``state_dict`` holds).
+
+    Handles, in this order: tied copies (a module's ``tied_weights = {"output_weight":
+    "embedding.word_embeddings.weight"}`` renames a copy marked ``shared_embedding``, which PP>1
+    puts on the last stage), the stage's layer offsets (``layer_index_maps``) and the
+    ``chunks.<v>.`` level of ``VirtualChunks``, which the single-process model does not have.
+    """
+    maps = layer_index_maps(model)
+    tied: Dict[str, str] = {}
+    chunk_roots = []
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for copy, original in (getattr(module, "tied_weights", None) or {}).items():
+            tied[prefix + copy] = prefix + original
+        if isinstance(module, VirtualChunks):
+            chunk_roots.append(prefix)
+    chunk_level = re.compile(r"^(?P<root>" + "|".join(map(re.escape, chunk_roots)) + r")chunks\.\d+\.") \
+        if chunk_roots else None
+
+    def to_global(local_name: str, tensor: torch.Tensor) -> str:
+        name = local_name
+        if name in tied and getattr(tensor, "shared_embedding", False):
+            name = tied[name]
+        name = global_name(name, maps)
+        return chunk_level.sub(lambda m: m["root"], name, count=1) if chunk_level is not None else name
+
+    names = {local_name: to_global(local_name, param) for local_name, param in model.named_parameters()}
+    if buffers:
+        for local_name, buffer in persistent_buffers(model):
+            names[local_name] = to_global(local_name, buffer)
+    return names
+
+
+def persistent_buffers(model: nn.Module):
+    """``(name, buffer)`` of the buffers ``model.state_dict()`` holds (not the non-persistent ones)."""
+    for path, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{path}.{name}" if path else name), buffer
 
 
 def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -208,6 +208,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                dtype=params_dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.weight.vocab_size = self.vocab_size  # rows past it are tp-dependent padding (checkpoints drop them)
         if perform_initialization:
             init_sharded_(self.weight, (num_embeddings, embedding_dim), 0, init_method, self.tp_rank,
                           self.tp_size)

@@ -1,0 +1,130 @@
+"""The checkpoint folder's life: staged under a temporary name, renamed into place when whole.
+
+Every rank writes into ``<path>.incomplete``; only after DCP has written ``.metadata`` (which it
+does once every rank's files are written) and a barrier does rank 0 rename it to ``<path>``.
+A save that dies half-way leaves at most the ``.incomplete`` folder, which does not end in the
+name a ``ModelCheckpoint`` looks for and which ``check_folder`` refuses to load; an older
+checkpoint at ``<path>`` stays untouched until the new one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .collective import agree, barrier, rank
+from .errors import IncompleteCheckpointError
+
+STAGING_SUFFIX = ".incomplete"
+_REPLACED_SUFFIX = ".replaced"
+METADATA_FILE = ".metadata"
+
+
+def staging_path(path: str) -> str:
+    return os.fspath(path).rstrip("/\\") + STAGING_SUFFIX
+
+
+def begin(path: str) -> str:
+    """Create an empty staging folder for ``path`` (rank 0; collective) and return its name."""
+    staging = staging_path(path)
+    error = None
+    if rank() == 0:
+        try:
+            if os.path.exists(staging):
+                shutil.rmtree(staging)    # debris of an earlier interrupted save
+            os.makedirs(staging)
+        except OSError as err:
+            error = err
+    agree(error)
+    return staging
+
+
+def commit(staging: str, path: str) -> None:
+    """Rename the finished staging folder to ``path``, replacing what was there (collective)."""
+    barrier()
+    error = None
+    if rank() == 0:
+        try:
+            _swap_in(staging, path)
+        except Exception as err:  # noqa: BLE001 - agreed on, so no rank waits for rank 0 forever
+            error = err
+    agree(error)
+
+
+def _swap_in(staging: str, path: str) -> None:
+    if not os.path.isfile(os.path.join(staging, METADATA_FILE)):
+        raise IncompleteCheckpointError(f"{staging} has no {METADATA_FILE} after the save; not committing it.")
+    replaced = os.fspath(path).rstrip("/\\") + _REPLACED_SUFFIX
+    if os.path.lexists(replaced):
+        _remove(replaced)
+    if os.path.lexists(path):
+        os.rename(path, replaced)         # the old checkpoint stays whole until the new one is in place
+    os.rename(staging, path)
+    if os.path.lexists(replaced):
+        _remove(replaced)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def check_folder(path: str) -> Metadata:
+    """The DCP metadata of a finished checkpoint folder, or an error that says what is wrong."""
+    path = os.fspath(path)
+    if path.rstrip("/\\").endswith(STAGING_SUFFIX):
+        raise IncompleteCheckpointError(
+            f"{path} is the temporary folder of a save that did not finish (a rank failed or was killed before "
+            f"every shard was written); load the previous checkpoint instead.")
+    if not os.path.exists(path):
+        hint = ""
+        replaced = path.rstrip("/\\") + _REPLACED_SUFFIX
+        if os.path.isdir(replaced):
+            hint = (f" A save was interrupted while replacing it: the previous checkpoint is {replaced}, the new one "
+                    f"{staging_path(path)}; rename the one you want to {path}.")
+        elif os.path.isdir(staging_path(path)):
+            hint = f" A save to it was interrupted ({staging_path(path)} is left over); load an earlier checkpoint."
+        raise FileNotFoundError(f"no checkpoint at {path}.{hint}")
+    if not os.path.isdir(path):
+        raise IncompleteCheckpointError(
+            f"{path} is a file, not a sharded checkpoint folder; load a consolidated file with "
+            f"lightning_megatron.checkpoint.load_consolidated.")
+    metadata_file = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(metadata_file):
+        raise IncompleteCheckpointError(
+            f"{metadata_file} is missing: {path} is not a finished sharded checkpoint (an interrupted save, a "
+            f"partial copy, or another format).")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file
+        raise IncompleteCheckpointError(f"{metadata_file} cannot be read ({type(err).__name__}: {err}); the save or "
+                                        f"copy was cut short: use another checkpoint.") from err
+    _check_shard_files(path, metadata)
+    return metadata
+
+
+def _check_shard_files(path: str, metadata: Metadata) -> None:
+    """Name the first shard file that ``.metadata`` refers to but the folder lacks."""
+    storage = metadata.storage_data or {}
+    first_key = {}
+    for index, info in storage.items():
+        first_key.setdefault(info.relative_path, index.fqn)
+    for relative, key in sorted(first_key.items()):
+        if not os.path.isfile(os.path.join(path, relative)):
+            raise IncompleteCheckpointError(
+                f"shard file {os.path.join(path, relative)} is missing (it holds {key!r}, among others); the "
+                f"checkpoint folder was copied or cleaned partially: restore the file or use another checkpoint.")
+
+
+def find_metadata(path: str) -> Optional[Metadata]:
+    """The metadata of ``path`` if it is a finished checkpoint folder, else None."""
+    try:
+        return check_folder(path)
+    except (FileNotFoundError, IncompleteCheckpointError):
+        return None

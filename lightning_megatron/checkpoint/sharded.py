@@ -1,0 +1,144 @@
+"""``save_sharded`` / ``load_sharded``: every rank writes and reads only its own shards, in parallel.
+
+Collective: call on every rank with the same path. Every tensor is stored under its global
+name, with its global shape and the offsets of the pieces ranks hold, so a checkpoint saved at
+one layout (TP, PP, VPP, DP, EP sizes) loads at any other. Problems found before the collective
+read (missing keys, shape mismatches, incomplete folders) are agreed on by all ranks first, so
+every rank raises the same error instead of some ranks hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import folder
+from .collective import agree, rank
+from .entries import Entry, Modules, as_list, check_entries, model_entries, unexpected_keys
+from .errors import CheckpointError, CheckpointMismatchError, summarize_failures
+from .info import layout_info
+from .keys import EXTRA_STATE, INFO, param_groups_key, rank_state_key
+from .optimizer import OptimizerLoad, hyperparameters, optimizer_entries
+from .planner import PieceLoadPlanner, PieceSavePlanner
+
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+def save_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
+                 extra_state: Any = None, *, rank_state: Any = None) -> None:
+    """Write a sharded checkpoint folder at ``path`` atomically (collective).
+
+    ``model_modules``: this rank's module(s) (a LightningModule, a model, or its chunks);
+    ``optimizers``: their optimizer(s), state saved shard-wise under global names;
+    ``extra_state``: one picklable object the same on every rank (trainer loops, schedulers;
+    rank 0's copy is stored); ``rank_state``: a picklable object per rank (RNG states), read back
+    with ``load_rank_state``. The folder appears at ``path`` only once every rank finished.
+    """
+    path = os.fspath(path)
+    error, entries, blobs = None, [], {}
+    try:
+        model = model_entries(model_modules)
+        entries = list(model.by_name.values())
+        for i, optimizer in enumerate(as_list(optimizers)):
+            tensors, objects = optimizer_entries(optimizer, i, model.of_param)
+            entries += tensors.values()
+            blobs.update(objects)
+            if rank() == 0:
+                blobs[param_groups_key(i)] = hyperparameters(optimizer)
+        if rank() == 0:
+            blobs[INFO] = layout_info()
+            if extra_state is not None:
+                blobs[EXTRA_STATE] = extra_state
+        if rank_state is not None:
+            blobs[rank_state_key(rank())] = rank_state
+    except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        error = err
+    paths = agree(error, path)
+    if len(set(paths)) > 1:
+        raise ValueError(f"save_sharded was called with different paths on different ranks: {sorted(set(paths))}; "
+                         "pass the same path everywhere (broadcast it from rank 0).")
+    staging = folder.begin(path)
+    try:
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(staging), planner=PieceSavePlanner(entries, blobs))
+    except CheckpointException as err:   # a BaseException: turn it into an ordinary error
+        raise CheckpointError(f"saving {path} failed ({summarize_failures(err)}); nothing was committed: what was at "
+                              f"{path} before is untouched and the partial write stays in {staging}.") from err
+    folder.commit(staging, path)
+
+
+def load_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
+                 strict: bool = True, *, prefix: str = "") -> Any:
+    """Load a checkpoint into ``model_modules`` (and ``optimizers``) at the current layout; return
+    its ``extra_state`` (collective).
+
+    ``path`` is a folder written by :func:`save_sharded` or a file written by :func:`consolidate`
+    (model weights only). ``strict``: every model tensor must be in the checkpoint and every model
+    tensor of the checkpoint (under ``prefix``) must be in the model. ``prefix`` is prepended to
+    the model's global names, e.g. ``"model."`` to load a bare model out of the checkpoint of a
+    LightningModule that holds it as ``self.model``.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if as_list(optimizers):
+            raise ValueError(f"{path} is a consolidated file, which holds model weights only; pass optimizers=None.")
+        from .consolidate import load_consolidated
+        load_consolidated(path, model_modules, strict=strict, prefix=prefix)
+        return None
+    error, plan, keys = None, None, []
+    try:
+        metadata = folder.check_folder(path)
+        plan = _LoadPlan(metadata, model_modules, as_list(optimizers), strict, prefix)
+        keys = [entry.key for entry in plan.model.by_name.values()]
+        error = plan.problem
+    except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        error = err
+    everyone = agree(error, keys)
+    if strict:
+        wanted = {key for rank_keys in everyone for key in rank_keys}
+        extra = unexpected_keys(plan.metadata.state_dict_metadata, wanted, prefix)
+        if extra:
+            raise CheckpointMismatchError(
+                f"{extra[0]!r} (and {len(extra) - 1} more) is in the checkpoint but no rank's model has it: the "
+                f"checkpoint comes from a different architecture; pass strict=False to ignore such keys.")
+    planner = PieceLoadPlanner(plan.entries, plan.blob_keys)
+    try:
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner)
+    except CheckpointException as err:
+        raise CheckpointError(f"loading {path} failed ({summarize_failures(err)}).") from err
+    with torch.no_grad():
+        for entry in plan.entries:
+            for copy in entry.tensors[1:]:
+                copy.copy_(entry.local)      # tied copies on this rank
+    for optimizer_load in plan.optimizers:
+        optimizer_load.finish(planner.blobs)
+    return planner.blobs.get(EXTRA_STATE)
+
+
+class _LoadPlan:
+    """What this rank reads: model entries, optimizer targets, pickled objects; and the first problem."""
+
+    def __init__(self, metadata, model_modules: Modules, optimizers: List[torch.optim.Optimizer],
+                 strict: bool, prefix: str) -> None:
+        self.metadata = metadata
+        saved = metadata.state_dict_metadata
+        shapes = {k: tuple(md.size) for k, md in saved.items() if isinstance(md, TensorStorageMetadata)}
+        self.model = model_entries(model_modules, prefix)
+        self.problem: Optional[Exception] = None
+        message = check_entries(self.model.by_name.values(), shapes, strict)
+        if message:
+            self.problem = CheckpointMismatchError(message)
+        self.entries: List[Entry] = [e for e in self.model.by_name.values() if e.key in saved]
+        self.optimizers = [OptimizerLoad(opt, i, self.model.of_param, metadata) for i, opt in enumerate(optimizers)]
+        for optimizer_load in self.optimizers:
+            message = optimizer_load.check(lambda key: key in saved)
+            if message and self.problem is None:
+                self.problem = CheckpointMismatchError(message)
+            self.entries += optimizer_load.entries.values()
+        self.blob_keys = [k for k in [EXTRA_STATE] if k in saved]
+        for optimizer_load in self.optimizers:
+            self.blob_keys += [k for k in optimizer_load.blob_keys if k in saved]
