@@ -27,7 +27,7 @@ class TokenData(Dataset):
 class TinyGPT(L.LightningModule):
     def __init__(self, layers=4, lr=2.0, **config):
         super().__init__()
-        self.layers, self.lr, self.config = layers, lr, config
+        self.layers, self.lr, self.config = layers, lr, config   # config: extra TransformerConfig fields
         self.step_losses = []
 
     def configure_model(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -42,6 +42,8 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     recompute_layers: bool = False                 # activation checkpointing per layer
+    moe: Optional[Any] = None                      # a moe.MoEConfig: MLPs become mixture-of-experts layers
+    moe_layer_freq: int = 1                        # every k-th layer (1-based: layers 1, 1+k, ...) is MoE
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -67,6 +69,11 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig.{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
         if self.init_method_std <= 0:
             raise ValueError(f"TransformerConfig.init_method_std must be positive, got {self.init_method_std}.")
+        if self.moe is not None and self.moe.hidden_size != self.hidden_size:
+            raise ValueError(f"TransformerConfig.moe.hidden_size={self.moe.hidden_size} must equal "
+                             f"hidden_size={self.hidden_size}.")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"TransformerConfig.moe_layer_freq must be >= 1, got {self.moe_layer_freq}.")
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
 

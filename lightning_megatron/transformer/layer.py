@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..tensor_parallel import init_method_normal
 from .attention import SelfAttention
 from .config import TransformerConfig
 from .mlp import MLP
 from .norm import build_norm
+
+
+def build_mlp(config: TransformerConfig, layer_number: int) -> nn.Module:
+    """The dense MLP, or an MoE layer on the layers ``config.moe_layer_freq`` selects."""
+    if config.moe is None or (layer_number - 1) % config.moe_layer_freq:
+        return MLP(config)
+    from ..moe import MoELayer   # the dense model does not need the MoE machinery
+
+    moe = dataclasses.replace(config.moe, sequence_parallel=config.sequence_parallel)
+    return MoELayer(moe, init_method=init_method_normal(config.init_method_std),
+                    output_layer_init_method=init_method_normal(config.output_layer_init_std),
+                    params_dtype=config.params_dtype)
 
 
 class TransformerLayer(nn.Module):
@@ -27,7 +41,7 @@ class TransformerLayer(nn.Module):
         self.attention_norm = build_norm(config)
         self.attention = SelfAttention(config, layer_number)
         self.mlp_norm = build_norm(config)
-        self.mlp = mlp if mlp is not None else MLP(config)
+        self.mlp = mlp if mlp is not None else build_mlp(config, layer_number)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
