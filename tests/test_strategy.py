@@ -14,6 +14,8 @@ LAYOUTS = {
     "dp2tp2": (4, dict(tensor_model_parallel_size=2)),
     "cp2": (2, dict(context_parallel_size=2)),
     "tp2cp2sp": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True)),
+    "pp2cp2": (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2, micro_batch_size=2)),
+    "dp2cp2": (4, dict(context_parallel_size=2)),
 }
 
 
