@@ -63,7 +63,7 @@ class BertFinetuneModule(L.LightningModule):
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(self(batch), batch["labels"])
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["labels"].numel())
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["labels"].numel(), sync_dist=True)
         return loss
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
