@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Union
@@ -36,7 +36,8 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from .context_parallel import split_for_context_parallel
-from .distributed import clip_grad_norm, finalize_model_grads, split_into_microbatches
+from .distributed import (DataParallelGrads, DistributedOptimizer, clip_grad_norm, default_bucket_size,
+                          finalize_model_grads, full_state_dict, load_full_state_dict, split_into_microbatches)
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
 from .pipeline import resolve_group_size
@@ -61,6 +62,22 @@ class MegatronStrategy(ParallelStrategy):
         micro_batch_size: samples per micro-batch; the per-rank batch must be a multiple of it.
             ``None`` runs each batch as one micro-batch.
         timeout: process-group timeout; a rank that fails makes its peers fail after this.
+        overlap_grad_reduce: reduce each gradient bucket over data parallelism as soon as the last
+            micro-batch's backward has produced it, overlapping communication with the backward.
+        bucket_size: elements per gradient bucket (default: one bucket, or max(40M, 1M·dp) elements
+            with ``overlap_grad_reduce``).
+        grad_reduce_in_fp32: accumulate and reduce bf16/fp16 gradients in float32 buffers.
+        use_distributed_optimizer: shard float32 main parameters and optimizer state over data
+            parallelism (ZeRO-1); the optimizer from ``configure_optimizers`` must be elementwise
+            (SGD, Adam, AdamW, ...).
+        overlap_param_gather: with the distributed optimizer, all-gather the updated parameters in
+            the background and wait per module at its next forward. Between steps parameters are
+            then current only after ``strategy.finish_param_sync()`` (checkpoints, evaluation and
+            the end of fit call it; a callback reading weights must call it too).
+
+    Any of the last five switches gradients into contiguous buffers (``param.main_grad``; the
+    optimizer still reads ``.grad``); with none of them, gradients stay in ``.grad`` and are
+    reduced by one coalesced all-reduce after the schedule.
     """
 
     strategy_name = "megatron"
@@ -73,6 +90,9 @@ class MegatronStrategy(ParallelStrategy):
                  microbatch_group_size_per_vp_stage: Optional[int] = None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", cuda_graph: Optional[str] = None,
+                 overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
+                 grad_reduce_in_fp32: bool = False, use_distributed_optimizer: bool = False,
+                 overlap_param_gather: bool = False,
                  accelerator: Optional[Accelerator] = None, parallel_devices: Optional[List[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None) -> None:
@@ -97,6 +117,20 @@ class MegatronStrategy(ParallelStrategy):
         if cuda_graph not in (None, "none"):
             raise ValueError(f"cuda_graph={cuda_graph!r}: CUDA graphs are not available in this version; "
                              "leave cuda_graph unset.")
+        if bucket_size is not None:
+            check_size("bucket_size", bucket_size)
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError("overlap_param_gather=True gathers the distributed optimizer's shards; set "
+                             "use_distributed_optimizer=True as well, or drop overlap_param_gather.")
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.bucket_size = bucket_size
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather
+        self.grads: Optional[DataParallelGrads] = None                  # gradient buffers, when in use
+        self.distributed_optimizer: Optional[DistributedOptimizer] = None
+        self._final_optimizer_states: Dict[int, Dict[str, Any]] = {}    # unsharded at the end of fit
+        self._layout: Optional[Dict[str, Any]] = None                   # sizes, for checkpoints
         self.order = order
         self.sequence_parallel = sequence_parallel
         self.micro_batch_size = micro_batch_size
@@ -162,6 +196,8 @@ class MegatronStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         state = ParallelState(layout, timeout=self._timeout, virtual_pipeline_size=self.vpp)
+        self._layout = {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
+                        "ep": layout.ep, "etp": layout.etp, "order": layout.order, "vpp": self.vpp or 1}
         state.sequence_parallel = self.sequence_parallel
         self.parallel_state = state.activate()
         self._seed_identically()
@@ -194,6 +230,7 @@ class MegatronStrategy(ParallelStrategy):
         self._metrics_sync_over_data_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._setup_grad_buffers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -230,6 +267,75 @@ class MegatronStrategy(ParallelStrategy):
             if isinstance(module, Metric) and module.process_group is None:
                 module.process_group = group
 
+    # -- gradient buffers and the distributed optimizer -----------------------------------------------
+
+    @property
+    def _uses_grad_buffers(self) -> bool:
+        return (self.overlap_grad_reduce or self.use_distributed_optimizer or self.grad_reduce_in_fp32
+                or self.bucket_size is not None)
+
+    def _setup_grad_buffers(self) -> None:
+        """Gradients into contiguous buffers (after the optimizers exist: the distributed optimizer
+        re-points them at its shards)."""
+        self._close_grad_buffers()
+        self._final_optimizer_states = {}
+        if not self._uses_grad_buffers:
+            return
+        state = self._state()
+        shard = self.use_distributed_optimizer
+        self.grads = DataParallelGrads(
+            [p for p in self.model.parameters() if p.requires_grad],
+            dense_group=state.dp_cp_group, expert_group=state.edp_group, divisor=state.size("dp-cp"),
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            bucket_size=self.bucket_size or default_bucket_size(self.overlap_grad_reduce, state.size("dp-cp")),
+            grad_reduce_in_fp32=self.grad_reduce_in_fp32, shard=shard,
+            isolate=lambda p: state.pp_size > 1 and getattr(p, "shared_embedding", False))
+        if shard and state.tp_size > 1:
+            self._check_buffers_line_up_over_tp()
+        if shard:
+            self.distributed_optimizer = DistributedOptimizer(
+                self.optimizers, self.grads, modules=[self.model], overlap_param_gather=self.overlap_param_gather)
+
+    def _check_buffers_line_up_over_tp(self) -> None:
+        """Sequence-parallel gradients are summed over tp after the reduce-scatter: each rank's shard
+        must hold the same elements on every tp peer."""
+        state = self._state()
+        mine = torch.tensor([self.grads.signature()], dtype=torch.int64, device=self.root_device)
+        everyone = [torch.empty_like(mine) for _ in range(state.tp_size)]
+        dist.all_gather(everyone, mine, group=state.tp_group)
+        if len({int(t) for t in everyone}) > 1:
+            raise ValueError("use_distributed_optimizer=True needs the tensor-parallel ranks' parameters to have "
+                             "the same shapes in the same order (their gradient buffers differ); build every tp "
+                             "rank's model the same way, or set use_distributed_optimizer=False.")
+
+    def _close_grad_buffers(self) -> None:
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.close()
+        if self.grads is not None:
+            self.grads.close()
+        self.grads, self.distributed_optimizer = None, None
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers of ``overlap_param_gather``: call before reading parameters
+        outside a forward between steps (e.g. in a callback); checkpoints and the end of fit do it."""
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.finish_param_sync()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The user's optimizer steps on its shards; then every rank's parameters are made whole again."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.gather_params()
+        return out
+
+    def on_train_end(self) -> None:
+        """The process groups go with ``teardown``: keep the whole optimizer state (host memory) for a
+        ``trainer.save_checkpoint`` after ``fit``."""
+        self.finish_param_sync()
+        if self.distributed_optimizer is not None:
+            self._final_optimizer_states = {id(opt): full_state_dict(self.distributed_optimizer, opt)
+                                            for opt in self.distributed_optimizer.optimizers}
+
     # -- the training step -----------------------------------------------------------------------------
 
     def _pipeline_roots(self) -> List[nn.Module]:
@@ -248,7 +354,8 @@ class MegatronStrategy(ParallelStrategy):
         return torch.float32
 
     def _run_schedule(self, batch: Any, run_last_stage: Callable[[Any], Any], forward_only: bool,
-                      step_context: Callable[[], Any], passthrough_metrics: bool) -> Dict[str, Any]:
+                      step_context: Callable[[], Any], passthrough_metrics: bool,
+                      no_sync: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
         state = self._state()
         module = self.lightning_module
         if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
@@ -275,7 +382,7 @@ class MegatronStrategy(ParallelStrategy):
 
         output = forward_backward(step, microbatches, [module] * chunks, num_microbatches=len(microbatches),
                                   dtype=self._activation_dtype(), variable_seq_lengths=True,
-                                  forward_only=forward_only,
+                                  forward_only=forward_only, no_sync=no_sync,
                                   microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
                                   pp_group=state.pp_group if state.pp_size > 1 else None,
                                   device=self.root_device)
@@ -305,6 +412,8 @@ class MegatronStrategy(ParallelStrategy):
             backward = loss / accumulate
             return (scaler.scale(backward) if scaler is not None else backward), loss.detach()
 
+        if self.grads is not None:
+            return self._training_step_into_buffers(last_stage, *args)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if args[1] % accumulate == 0:   # first batch of an accumulation window: start from zero
             for param in params:
@@ -319,10 +428,35 @@ class MegatronStrategy(ParallelStrategy):
             param.grad = None
         return {"loss": torch.tensor(done["loss"], device=self.root_device)}
 
+    def _training_step_into_buffers(self, last_stage: Callable[[Any], Any], *args: Any) -> Any:
+        """The step with gradient buffers: accumulate in ``main_grad``; reduce (maybe overlapped with the
+        backward) only in the last micro-batch of the last batch of an accumulation window."""
+        grads = self.grads
+        self._detach_grads()   # an attached .grad would make autograd accumulate into main_grad twice
+        if args[1] % self.lightning_module.trainer.accumulate_grad_batches == 0:
+            grads.zero_grad()
+        with grads.no_sync() if self._accumulating else nullcontext():
+            done = self._run_schedule(args[0], last_stage, False, self.precision_plugin.train_step_context,
+                                      passthrough_metrics=self._state().pp_size == 1, no_sync=grads.no_sync)
+        if not self._accumulating:
+            finalize_model_grads([self.model], self._state(), grads=grads)
+        self._detach_grads()   # Lightning zeroes gradients before backward (maybe in place): keep them away
+        return {"loss": torch.tensor(done["loss"], device=self.root_device)}
+
+    def _detach_grads(self) -> None:
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.detach_grads()
+        if self.grads is not None:
+            self.grads.detach()
+
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran every backward inside ``training_step``: hand its gradients back."""
         from lightning.pytorch.trainer import call
 
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.attach_grads()
+        elif self.grads is not None:
+            self.grads.attach()
         for param, grad in self._stashed_grads:
             param.grad = grad
         self._stashed_grads = []
@@ -368,7 +502,8 @@ class MegatronStrategy(ParallelStrategy):
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm(params, float(clip_val), state)
+            clip_grad_norm(params, float(clip_val), state, sharded=self.distributed_optimizer is not None,
+                           device=self.root_device)
 
         def clip_grad_by_value(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -417,7 +552,32 @@ class MegatronStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- checkpoints: one file per rank (resharding is the checkpoint module's job) ---------------------
+    # -- checkpoints: one file per rank ----------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        self.finish_param_sync()
+        return super().lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.reload_main_params()
+
+    def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        """Under the distributed optimizer: the whole (unsharded) state, gathered over data parallelism,
+        so that every rank's file can resume at any DP size."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.distributed_optimizer is not None and optimizer in self.distributed_optimizer.optimizers:
+            return full_state_dict(self.distributed_optimizer, optimizer)
+        if id(optimizer) in self._final_optimizer_states:
+            return self._final_optimizer_states[id(optimizer)]
+        return super().optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.distributed_optimizer is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_state_dict(self.distributed_optimizer, getattr(optimizer, "_optimizer", optimizer), state)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         path = Path(self.broadcast(str(filepath)))
@@ -430,18 +590,28 @@ class MegatronStrategy(ParallelStrategy):
                "optimizer_states": checkpoint.pop("optimizer_states", [])}
         torch.save(own, path / f"rank_{self.global_rank:05d}.pt")
         if self.is_global_zero:
-            torch.save(checkpoint, path / "meta.pt")
+            torch.save({**checkpoint, _LAYOUT_KEY: self._layout_record()}, path / "meta.pt")
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Each rank reads the file of a rank that held the same model-parallel shard: its own, or,
+        when only the data-parallel size changed, any data-parallel replica's (every rank's file
+        holds its shard's whole optimizer state, gathered under the distributed optimizer)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        own = path / f"rank_{self.global_rank:05d}.pt"
+        checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        saved = checkpoint.pop(_LAYOUT_KEY, None)
+        rank = self.global_rank if saved is None else _source_rank(saved, self._layout_record(), self.global_rank)
+        own = path / f"rank_{rank:05d}.pt"
         if not own.is_file():
             raise FileNotFoundError(f"{own} is missing: this checkpoint was saved with another world size or "
                                     "layout, which this per-rank format cannot reshard.")
-        checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
         checkpoint.update(torch.load(own, map_location="cpu", weights_only=False))
         return checkpoint
+
+    def _layout_record(self) -> Dict[str, Any]:
+        if self._layout is None:
+            raise RuntimeError("the megatron strategy has no layout yet (before setup_environment).")
+        return dict(self._layout)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -452,6 +622,7 @@ class MegatronStrategy(ParallelStrategy):
                 path.unlink()
 
     def teardown(self) -> None:
+        self._close_grad_buffers()
         if self.parallel_state is not None:
             self.parallel_state.destroy()
             self.parallel_state = None
@@ -461,6 +632,29 @@ class MegatronStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls,
                                    description="Megatron-style tensor/pipeline/data/context/expert parallelism")
+
+
+_LAYOUT_KEY = "megatron_layout"
+_MODEL_PARALLEL = ("tp", "pp", "ep", "etp")
+
+
+def _source_rank(saved: Mapping[str, Any], current: Mapping[str, Any], rank: int) -> int:
+    """The saved rank whose file holds what ``rank`` of the current layout needs: itself when the layout
+    is unchanged, else the first saved rank with the same model-parallel coordinates (dp and cp
+    replicas hold the same parameters and, in these files, the same optimizer state)."""
+    if dict(saved) == dict(current):
+        return rank
+    if any(saved[k] != current[k] for k in _MODEL_PARALLEL + ("vpp",)):
+        raise ValueError(
+            f"this checkpoint was saved with tp={saved['tp']}, pp={saved['pp']}, ep={saved['ep']}, "
+            f"etp={saved['etp']}, vpp={saved['vpp']}; this run has tp={current['tp']}, pp={current['pp']}, "
+            f"ep={current['ep']}, etp={current['etp']}, vpp={current['vpp']}. Per-rank checkpoints reshard only "
+            "the data-parallel (and context-parallel) size: resume with the saved model-parallel sizes.")
+    sizes = {k: saved[k] for k in ("world_size", "tp", "pp", "cp", "ep", "etp", "order")}
+    before, now = ParallelLayout(**sizes), ParallelLayout(**{k: current[k] for k in sizes})
+    want = {k: now.coords(rank)[k] for k in _MODEL_PARALLEL}
+    return next(r for r in range(before.world_size)
+                if all(before.coords(r)[k] == want[k] for k in _MODEL_PARALLEL))
 
 
 def _extract_loss(out: Any) -> torch.Tensor:

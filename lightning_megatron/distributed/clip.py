@@ -2,13 +2,15 @@
 
 Each element of the model counts once: tensor-parallel shards are summed over tp, replicated
 parameters count on tp rank 0 only, the last stage's twin of the tied word embeddings does not
-count, and pipeline stages are summed over pp (and expert shards over ep).
+count, and pipeline stages are summed over pp (and expert shards over ep). Under the distributed
+optimizer (``sharded=True``) the parameters are this rank's main shards, disjoint across data
+parallelism: the local sums are then summed over the whole world, once.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,22 +31,28 @@ def _counted(param: nn.Parameter, state: ParallelState) -> bool:
     return True
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients of the model, identical on every rank (a collective)."""
+def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_type: float = 2.0,
+                     sharded: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The norm of all gradients of the model, identical on every rank (a collective).
+
+    ``sharded``: ``params`` are data-parallel shards (distributed optimizer). ``device``: where the
+    reduction runs when this rank holds no gradient (default: the first gradient's device, or CPU).
+    """
     params = [p for p in params if p.grad is not None]
     dense = [p.grad for p in params if _counted(p, state) and not getattr(p, "expert_parallel", False)]
     expert = [p.grad for p in params if _counted(p, state) and getattr(p, "expert_parallel", False)]
-    device = params[0].grad.device if params else torch.device("cpu")
+    device = params[0].grad.device if params else (device or torch.device("cpu"))
     totals = []
-    for grads, group in ((dense, "mp"), (expert, "tp-ep-pp")):
+    for grads, name in ((dense, "mp"), (expert, "tp-ep-pp")):
+        group = None if sharded else state.group(name)   # None: the world, i.e. also over the data shards
         if math.isinf(norm_type):
             local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
                 torch.zeros((), device=device)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.group(group))
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         else:
             local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
                         torch.zeros((), device=device))
-            dist.all_reduce(local, group=state.group(group))
+            dist.all_reduce(local, group=group)
         totals.append(local)
     if math.isinf(norm_type):
         return torch.maximum(totals[0], totals[1])
@@ -52,10 +60,11 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: ParallelState,
-                   norm_type: float = 2.0) -> torch.Tensor:
+                   norm_type: float = 2.0, sharded: bool = False,
+                   device: Optional[torch.device] = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parallel model: same norm, same coefficient."""
     params: List[nn.Parameter] = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, state, norm_type)
+    total = global_grad_norm(params, state, norm_type, sharded, device)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         p.grad.detach().mul_(coefficient.to(p.grad.dtype))

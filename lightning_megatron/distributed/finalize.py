@@ -9,12 +9,19 @@
    the mean over the global batch. An expert's ``edp`` group also holds the ranks that routed
    other shares of the same tokens (the MoE layer splits tokens over tp): their gradients add up,
    so the divisor is dp·cp there too, not the group size.
+
+With gradient buffers (``DataParallelGrads``) the order changes, since buckets may already be in
+flight: the data-parallel reduction is finished first (the tied embedding's bucket waits for
+step 2), then step 1 runs on ``main_grad``. Sums commute, so the result is the same; under a
+reduce-scatter only each rank's shard is valid, and tp peers' buffers line up element for
+element (checked by the strategy), so summing whole ``main_grad`` tensors over tp keeps every
+shard right.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +30,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..parallel import ParallelState
 from ..pipeline.shared_embeddings import allreduce_shared_embedding_grads
-from ..tensor_parallel.utils import allreduce_sequence_parallel_grads
+from ..tensor_parallel.utils import allreduce_sequence_parallel_grads, sequence_parallel_params
+from .data_parallel import DataParallelGrads
 
 
 def _all_reduce_coalesced(grads: List[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:
@@ -46,16 +54,35 @@ def data_parallel_buckets(params: Iterable[nn.Parameter]) -> Dict[Tuple[str, tor
 
 
 def finalize_model_grads(modules: Iterable[nn.Module], state: ParallelState,
-                         reduce_data_parallel: bool = True) -> None:
-    """Collective over the whole world: call on every rank after the schedule's last backward."""
+                         reduce_data_parallel: bool = True, grads: Optional[DataParallelGrads] = None) -> None:
+    """Collective over the whole world: call on every rank after the schedule's last backward.
+
+    ``grads``: the model's gradient buffers, when gradients live there (``param.main_grad``).
+    """
     modules = list(modules)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if grads is not None:
+        embedding = (lambda: allreduce_shared_embedding_grads(modules)) if state.pp_size > 1 else None
+        if reduce_data_parallel:
+            grads.finish_grad_sync(before_isolated=embedding)
+        elif embedding is not None:
+            embedding()
+        if state.tp_size > 1:
+            partial = [p.main_grad for p in sequence_parallel_params(params)
+                       if getattr(p, "main_grad", None) is not None]
+            if partial:
+                _all_reduce_coalesced(partial, state.tp_group, divisor=1)
+        return
     if state.tp_size > 1:
         allreduce_sequence_parallel_grads(params, state.tp_group)
     if state.pp_size > 1:
         allreduce_shared_embedding_grads(modules)  # middle stages return at once
     if not reduce_data_parallel:
         return
+    divisor = state.size("dp-cp")
     for (name, _), grads in data_parallel_buckets(params).items():
         if state.size(name) > 1:
-            _all_reduce_coalesced(grads, state.group(name), divisor=state.size("dp-cp"))
+            _all_reduce_coalesced(grads, state.group(name), divisor=divisor)
+        elif divisor != 1:   # experts alone in their edp group (edp=1) still summed dp·cp ranks' tokens
+            for grad in grads:
+                grad.div_(divisor)
