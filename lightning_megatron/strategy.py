@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
+from .checkpoint import is_checkpoint, load_rank_state, load_sharded, save_sharded
 from .context_parallel import split_for_context_parallel
 from .distributed import (DataParallelGrads, DistributedOptimizer, clip_grad_norm, default_bucket_size,
                           finalize_model_grads, full_state_dict, load_full_state_dict, split_into_microbatches)
@@ -42,6 +43,7 @@ from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
 from .pipeline import resolve_group_size
 from .pipeline.executor import forward_backward
+from .rng_state import capture_rng_state, restore_rng_state
 from .step_logging import StepLogCapture, broadcast_from_last_stage, replay
 from .tensor_parallel.random import seed_tracker
 
@@ -195,6 +197,8 @@ class MegatronStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self.parallel_state is not None:   # a previous fit/validate of this strategy
+            self.parallel_state.destroy()
         state = ParallelState(layout, timeout=self._timeout, virtual_pipeline_size=self.vpp)
         self._layout = {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
                         "ep": layout.ep, "etp": layout.etp, "order": layout.order, "vpp": self.vpp or 1}
@@ -552,13 +556,27 @@ class MegatronStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- checkpoints: one file per rank ----------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------------
+    # Sharded (torch.distributed.checkpoint, reshardable across TP/PP/VPP/DP/EP) unless the distributed
+    # optimizer is on: its state is gathered into one file per rank, which reshards the DP size only.
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded loading reads straight into the parameters and optimizers: they must exist."""
+        return True
+
+    def _sharded_checkpoints(self) -> bool:
+        return not self.use_distributed_optimizer
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         self.finish_param_sync()
+        if self._sharded_checkpoints():
+            return {}   # save_checkpoint writes the parameters shard by shard
         return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if checkpoint.get(_SHARDED_KEY):
+            return   # load_checkpoint already read every shard into place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.distributed_optimizer is not None:
             self.distributed_optimizer.reload_main_params()
@@ -567,6 +585,8 @@ class MegatronStrategy(ParallelStrategy):
         """Under the distributed optimizer: the whole (unsharded) state, gathered over data parallelism,
         so that every rank's file can resume at any DP size."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._sharded_checkpoints():
+            return {}   # save_checkpoint writes the optimizer state shard by shard
         if self.distributed_optimizer is not None and optimizer in self.distributed_optimizer.optimizers:
             return full_state_dict(self.distributed_optimizer, optimizer)
         if id(optimizer) in self._final_optimizer_states:
@@ -574,12 +594,21 @@ class MegatronStrategy(ParallelStrategy):
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if checkpoint.get(_SHARDED_KEY):
+            return
         if self.distributed_optimizer is None:
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             load_full_state_dict(self.distributed_optimizer, getattr(optimizer, "_optimizer", optimizer), state)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._sharded_checkpoints():
+            path = self.broadcast(str(filepath))
+            checkpoint.pop("state_dict", None)
+            checkpoint.pop("optimizer_states", None)
+            save_sharded(path, [self.lightning_module], self._raw_optimizers(), extra_state=checkpoint,
+                         rank_state=capture_rng_state(self._state().rng_tracker))
+            return
         path = Path(self.broadcast(str(filepath)))
         if self.is_global_zero:
             if path.is_file():
@@ -598,6 +627,8 @@ class MegatronStrategy(ParallelStrategy):
         when only the data-parallel size changed, any data-parallel replica's (every rank's file
         holds its shard's whole optimizer state, gathered under the distributed optimizer)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        if is_checkpoint(str(path)):
+            return self._load_sharded(str(path))
         checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
         saved = checkpoint.pop(_LAYOUT_KEY, None)
         rank = self.global_rank if saved is None else _source_rank(saved, self._layout_record(), self.global_rank)
@@ -607,6 +638,28 @@ class MegatronStrategy(ParallelStrategy):
                                     "layout, which this per-rank format cannot reshard.")
         checkpoint.update(torch.load(own, map_location="cpu", weights_only=False))
         return checkpoint
+
+    def _load_sharded(self, path: str) -> Dict[str, Any]:
+        """Model and (when fitting) optimizer states read shard by shard into this layout, then the
+        trainer's own state; RNG streams come back when the layout is the one that saved them."""
+        trainer = self.lightning_module.trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if self.use_distributed_optimizer:
+            raise ValueError("this checkpoint is sharded (saved without the distributed optimizer); resume it with "
+                             "use_distributed_optimizer=False, or save it again from such a run.")
+        extra = load_sharded(path, [self.lightning_module], self._raw_optimizers() if fitting else None,
+                             strict=self.lightning_module.strict_loading) or {}
+        rng = load_rank_state(path)
+        if rng is not None:
+            restore_rng_state(rng, self._state().rng_tracker)
+        extra = dict(extra)
+        extra[_SHARDED_KEY] = True
+        extra.setdefault("state_dict", {})
+        extra["optimizer_states"] = [{} for _ in self.optimizers] if fitting else []
+        return extra
+
+    def _raw_optimizers(self) -> List[Any]:
+        return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
 
     def _layout_record(self) -> Dict[str, Any]:
         if self._layout is None:
@@ -622,10 +675,9 @@ class MegatronStrategy(ParallelStrategy):
                 path.unlink()
 
     def teardown(self) -> None:
+        """The process groups stay until the next ``setup_environment`` (or process exit), so
+        ``trainer.save_checkpoint`` after ``fit`` can still write its shards."""
         self._close_grad_buffers()
-        if self.parallel_state is not None:
-            self.parallel_state.destroy()
-            self.parallel_state = None
         super().teardown()
 
     @classmethod
@@ -635,6 +687,7 @@ class MegatronStrategy(ParallelStrategy):
 
 
 _LAYOUT_KEY = "megatron_layout"
+_SHARDED_KEY = "megatron_sharded"
 _MODEL_PARALLEL = ("tp", "pp", "ep", "etp")
 
 

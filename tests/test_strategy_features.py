@@ -140,3 +140,45 @@ def test_a_rank_failing_mid_training_ends_the_run_within_the_timeout():
     first, last = run_on_ranks(_fail_mid_training, 2, timeout=90)
     assert last[1] == "user code failed on the last stage"
     assert first is not None and first[2] < 60, first     # the first stage gave up waiting, it did not hang
+
+
+def _save_only(kwargs, folder):
+    return fit_tiny_gpt(kwargs, max_steps=2, checkpoint_to=folder, dataset_size=16)["losses"]
+
+
+def _resume_only(kwargs, folder):
+    return fit_tiny_gpt(kwargs, max_steps=4, resume_from=folder, dataset_size=16)["losses"]
+
+
+@pytest.mark.parametrize("world, kwargs", [(1, dict()), (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+                                           (2, dict()), (2, dict(tensor_model_parallel_size=2))])
+def test_checkpoint_saved_at_tp2_pp2_resumes_at_another_layout(tmp_path, world, kwargs):
+    from lightning_megatron.checkpoint import is_checkpoint
+
+    ref_first, ref_resumed = run_on_ranks(_save_and_resume, 1, {}, str(tmp_path / "ref"), timeout=120)[0]
+    folder = str(tmp_path / "tp2pp2.ckpt")
+    saved = run_on_ranks(_save_only, 4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                             micro_batch_size=2), folder, timeout=180)
+    assert saved[0] == pytest.approx(ref_first, rel=1e-5) and is_checkpoint(folder)
+    for resumed in run_on_ranks(_resume_only, world, kwargs, folder, timeout=180):
+        assert resumed == pytest.approx(ref_resumed, rel=1e-5)
+
+
+def _model_checkpoint(folder):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=2, monitor="train_loss",
+                               save_last=True)
+    fit_tiny_gpt(dict(tensor_model_parallel_size=2), max_steps=4,
+                 trainer_kwargs=dict(enable_checkpointing=True, callbacks=[callback]))
+    return sorted(os.listdir(folder)), callback.best_model_path
+
+
+def test_model_checkpoint_keeps_top_k_sharded_folders(tmp_path):
+    from lightning_megatron.checkpoint import is_checkpoint
+
+    names, best = run_on_ranks(_model_checkpoint, 2, str(tmp_path / "ckpts"), timeout=180)[0]
+    assert "last.ckpt" in names and len(names) == 3, names          # two best + last, older ones removed
+    assert all(is_checkpoint(str(tmp_path / "ckpts" / n)) for n in names)
+    assert not any(n.endswith(".incomplete") for n in names)
+    assert os.path.basename(best) in names
