@@ -10,7 +10,7 @@ seeded per tp rank.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.utils.checkpoint
@@ -41,21 +41,62 @@ class RNGStatesTracker:
     """Named generator states that can be swapped in around a region with ``fork(name)``.
 
     Tracks the generator of the device compute runs on (CUDA when available, else CPU).
+
+    Graph-safe mode (:meth:`enable_graph_safe`, CUDA only): each state lives in a CUDA generator of
+    its own that ``fork`` swaps in by pointer (``graphsafe_set_state``). Swapping byte states
+    (``set_rng_state``) is refused while a CUDA graph captures and would not be replayed anyway;
+    swapped generators can be registered with a graph, whose replays then advance exactly the
+    stream eager execution would. ``states`` keeps its keys; the byte API (``get_states`` /
+    ``set_states``) reads and writes the generators in place, so graphs stay registered.
     """
 
     def __init__(self, device_type: Optional[str] = None) -> None:
         self.device_type = device_type or _device_type()
         self.states: Dict[str, torch.Tensor] = {}
         self.seeds: Dict[int, str] = {}
+        self.graph_safe = False
+        self.generators: Dict[str, torch.Generator] = {}
 
     def reset(self) -> None:
         self.states.clear()
         self.seeds.clear()
+        self.generators.clear()
+
+    def enable_graph_safe(self) -> None:
+        """Move every state into a generator ``fork`` swaps by pointer (see the class doc); idempotent."""
+        if self.graph_safe:
+            return
+        if self.device_type != "cuda":
+            raise RuntimeError("RNGStatesTracker.enable_graph_safe() needs the CUDA generator "
+                               f"(device_type={self.device_type!r}); CUDA graphs only exist on CUDA devices.")
+        self.graph_safe = True
+        for name, state in self.states.items():
+            self.generators[name] = self._new_generator(state)
+
+    def graph_generators(self) -> List[torch.Generator]:
+        """The generators a CUDA graph must register (``CUDAGraph.register_generator_state``)."""
+        return list(self.generators.values())
+
+    @staticmethod
+    def _new_generator(state: torch.Tensor) -> torch.Generator:
+        generator = torch.cuda.default_generators[torch.cuda.current_device()].clone_state()
+        generator.set_state(state)
+        return generator
 
     def get_states(self) -> Dict[str, torch.Tensor]:
+        if self.graph_safe:
+            return {name: gen.get_state() for name, gen in self.generators.items()}
         return {name: state.clone() for name, state in self.states.items()}
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        if self.graph_safe:
+            for name in [n for n in self.generators if n not in states]:
+                del self.generators[name]
+            for name, state in states.items():
+                if name in self.generators:
+                    self.generators[name].set_state(state)   # in place: registered graphs keep it
+                else:
+                    self.generators[name] = self._new_generator(state)
         self.states = {name: state.clone() for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
@@ -72,6 +113,8 @@ class RNGStatesTracker:
         self.states[name] = _get_state(self.device_type)
         _set_state(self.device_type, original)
         self.seeds[seed] = name
+        if self.graph_safe:
+            self.generators[name] = self._new_generator(self.states[name])
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -79,6 +122,15 @@ class RNGStatesTracker:
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} was never added; call model_parallel_seed(seed) first "
                            f"(known states: {sorted(self.states)}).")
+        if self.graph_safe:
+            default = torch.cuda.default_generators[torch.cuda.current_device()]
+            previous = default.graphsafe_get_state()
+            default.graphsafe_set_state(self.generators[name])
+            try:
+                yield
+            finally:
+                default.graphsafe_set_state(previous)
+            return
         original = _get_state(self.device_type)
         _set_state(self.device_type, self.states[name])
         try:

@@ -49,8 +49,16 @@ class TransformerLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.mlp_block(self.attention_block(hidden, attention_mask))
+
+    # The two sub-blocks are methods of their own so a per-layer CUDA graph can hold either one
+    # (``cuda_graph_scope`` "attn" / "mlp", see ``lightning_megatron.cuda_graphs``).
+    def attention_block(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_norm:
-            hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
+            return hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
+        return self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
+
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.pre_norm:
             return hidden + self.dropout(self._mlp(self.mlp_norm(hidden)))
-        hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
         return self.mlp_norm(hidden + self.dropout(self._mlp(hidden)))

@@ -1,0 +1,192 @@
+"""One graphed piece of a layer for one micro-batch: its forward graph, its backward graph, and the
+autograd function that replays them in place of the eager code.
+
+A forward replay copies the caller's inputs into the static inputs (skipped when the input *is*
+the static input: the previous piece's output in a chain) and replays; the outputs handed back
+are the static outputs. A backward replay copies the incoming gradients into the static gradient
+buffers and replays. Parameter gradients are returned as fresh tensors: autograd would otherwise
+adopt the static buffer as ``param.grad`` and the next replay would overwrite it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .errors import CudaGraphError
+
+Outputs = Tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Piece:
+    """A graphable computation: ``fn(*args) -> (outputs tuple, aux)``.
+
+    ``aux`` is Python state the eager code after the graph needs (e.g. MoE dispatch metadata);
+    it is kept from the capture. ``params``: the parameters ``fn`` uses (their gradients leave the
+    backward graph). ``hook_modules``: submodules whose forward pre-hooks must be called by hand
+    at replay (their ``__call__`` does not run then).
+    """
+
+    name: str
+    fn: Callable[..., Tuple[Outputs, Any]]
+    params: List[nn.Parameter]
+    hook_modules: List[nn.Module] = field(default_factory=list)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+class MicrobatchGraphs:
+    """Forward and backward graph of ``piece`` for one micro-batch, on fixed static tensors."""
+
+    def __init__(self, piece: Piece, static_inputs: Sequence[Optional[torch.Tensor]], backend: Any,
+                 label: str, context: Callable[[], Any] = contextlib.nullcontext) -> None:
+        self.piece, self.backend, self.label = piece, backend, label
+        self.context = context                     # entered around the forward (e.g. autocast)
+        self.static_inputs: List[Optional[torch.Tensor]] = list(static_inputs)
+        self.params = [p for p in piece.params if p.requires_grad]
+        self.fwd, self.bwd = backend.new_graph(), backend.new_graph()
+        self.live: Optional[Outputs] = None        # outputs with autograd history, until the backward
+        self.aux: Any = None
+        self.static_outputs: Outputs = ()
+        self.differentiable: List[int] = []        # outputs that carry gradient
+        self.static_grad_outputs: List[Optional[torch.Tensor]] = []
+        self.static_grad_inputs: List[Optional[torch.Tensor]] = []   # grad-requiring inputs, then params
+        self.grad_input_positions: List[int] = [
+            i for i, t in enumerate(self.static_inputs) if t is not None and t.requires_grad]
+
+    # -- capture -------------------------------------------------------------------------------
+    def capture_forward(self) -> Outputs:
+        def body() -> Outputs:
+            with torch.enable_grad(), self.context():
+                outputs, aux = self.piece.fn(*self.static_inputs)
+            self.live, self.aux = tuple(outputs), aux
+            return self.live
+
+        self.static_outputs = tuple(self._capture(self.fwd, body, "forward"))
+        self.differentiable = [i for i, o in enumerate(self.live) if o.requires_grad]
+        return self.static_outputs
+
+    def capture_backward(self, static_grad_outputs: Sequence[Optional[torch.Tensor]]) -> None:
+        self.static_grad_outputs = list(static_grad_outputs)
+        for i in self.differentiable:
+            if self.static_grad_outputs[i] is None:
+                raise CudaGraphError(f"{self.label}: no gradient buffer for differentiable output {i}.")
+        targets = [self.static_inputs[i] for i in self.grad_input_positions] + self.params
+
+        def body() -> Tuple[Optional[torch.Tensor], ...]:
+            live = self.live
+            if live is None:
+                raise CudaGraphError(f"{self.label}: backward replayed before its forward.")
+            self.live = None   # the autograd graph (and the saved activations) go with this backward
+            outs = [live[i] for i in self.differentiable]
+            grads = [self.static_grad_outputs[i] for i in self.differentiable]
+            if not outs or not targets:
+                return tuple(None for _ in targets)
+            return torch.autograd.grad(outs, targets, grads, allow_unused=True)
+
+        self.static_grad_inputs = list(self._capture(self.bwd, body, "backward"))
+
+    def _capture(self, graph: Any, body: Callable[[], Any], phase: str) -> Any:
+        try:
+            return self.backend.capture(graph, body)
+        except CudaGraphError:
+            raise
+        except Exception as exc:
+            raise CudaGraphError(
+                f"capturing the {phase} of {self.label} failed: {type(exc).__name__}: {str(exc).rstrip('.')}. "
+                f"Code inside a CUDA graph must not synchronize with the host (.item(), .cpu(), .tolist(), "
+                f"printing tensors, host-tensor copies) nor produce data-dependent shapes (e.g. dropless MoE over "
+                f"several expert ranks: use pad_to_capacity or cuda_graph_scope 'moe_router'); or set "
+                f"cuda_graph=None.") from exc
+
+    def weaken(self, keep_input_grad: bool = False) -> None:
+        """After the backward capture: hold graph-pool tensors only weakly, so later captures reuse them.
+
+        Static inputs the caller owns (buffers outside the pool) stay. ``keep_input_grad`` keeps the
+        first input's gradient alive (a later stage still has to receive it; released one backward later).
+        """
+        weak = self.backend.weak
+        self.static_outputs = tuple(weak(t) for t in self.static_outputs)
+        self.static_inputs = [weak(t) if t is not None and getattr(t, "_graph_pool_owned", False) else t
+                              for t in self.static_inputs]
+        self.static_grad_outputs = [weak(t) if t is not None and getattr(t, "_graph_pool_owned", False) else t
+                                    for t in self.static_grad_outputs]
+        kept = 1 if keep_input_grad and self.grad_input_positions else 0
+        self.static_grad_inputs = [t if (i < kept or t is None) else weak(t)
+                                   for i, t in enumerate(self.static_grad_inputs)]
+
+    def weaken_input_grad(self) -> None:
+        if self.static_grad_inputs and self.static_grad_inputs[0] is not None:
+            self.static_grad_inputs[0] = self.backend.weak(self.static_grad_inputs[0])
+
+    # -- replay ---------------------------------------------------------------------------------
+    def replay_forward(self, inputs: Sequence[Optional[torch.Tensor]]) -> Outputs:
+        for module in self.piece.hook_modules:   # their __call__ does not run at replay
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if key in module._forward_pre_hooks_with_kwargs:
+                    hook(module, (), {})
+                else:
+                    hook(module, ())
+        with torch.no_grad():
+            for static, given in zip(self.static_inputs, inputs):
+                if static is not None and not _same_memory(static, given):
+                    static.copy_(given)
+        self.backend.replay(self.fwd)
+        return self.static_outputs
+
+    def replay_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> Tuple[List[Optional[torch.Tensor]], ...]:
+        with torch.no_grad():
+            for i in self.differentiable:
+                static, given = self.static_grad_outputs[i], grads[i]
+                if given is None:
+                    static.zero_()
+                elif not _same_memory(static, given):
+                    static.copy_(given)
+        self.backend.replay(self.bwd)
+        n = len(self.grad_input_positions)
+        input_grads = [None if g is None else g.detach() for g in self.static_grad_inputs[:n]]
+        param_grads = list(self.static_grad_inputs[n:])
+        present = [i for i, g in enumerate(param_grads) if g is not None]
+        if present:   # one multi-tensor kernel: fresh tensors autograd may adopt as .grad
+            fresh = torch._foreach_mul([param_grads[i] for i in present], 1.0)
+            for i, g in zip(present, fresh):
+                param_grads[i] = g
+        return input_grads, param_grads
+
+    def apply(self, inputs: Sequence[Optional[torch.Tensor]]) -> Outputs:
+        """Replay through autograd: gradients flow to the inputs and parameters as in eager mode."""
+        return _Replay.apply(self, len(inputs), *inputs, *self.params)
+
+
+def mark_pool_owned(tensor: torch.Tensor) -> torch.Tensor:
+    """Tag a static tensor that lives in the graph pool (chained inputs, gradient chains)."""
+    tensor._graph_pool_owned = True
+    return tensor
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: MicrobatchGraphs, num_inputs: int, *tensors: Optional[torch.Tensor]) -> Outputs:
+        ctx.runner, ctx.num_inputs = runner, num_inputs
+        outputs = runner.replay_forward(tensors[:num_inputs])
+        returned = tuple(o.detach() for o in outputs)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(returned) if i not in runner.differentiable])
+        return returned
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+        runner: MicrobatchGraphs = ctx.runner
+        input_grads, param_grads = runner.replay_backward(grads)
+        per_input: List[Optional[torch.Tensor]] = [None] * ctx.num_inputs
+        for position, grad in zip(runner.grad_input_positions, input_grads):
+            per_input[position] = grad
+        return (None, None, *per_input, *param_grads)
