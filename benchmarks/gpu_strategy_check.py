@@ -5,6 +5,7 @@ Run once per layout and compare the printed losses (float32: equal to ~1e-5 acro
     python benchmarks/gpu_strategy_check.py --devices 1
     python benchmarks/gpu_strategy_check.py --devices 2 --tp 2
     python benchmarks/gpu_strategy_check.py --devices 2 --pp 2 --micro-batch-size 4
+    python benchmarks/gpu_strategy_check.py --devices 2 --tp 2 --cuda-graph partial
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--cuda-graph", default=None, choices=[None, "partial"])
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     dp = args.devices // (args.tp * args.pp)
@@ -48,7 +50,7 @@ def main() -> None:
     data = PatternTokens(vocab_size=512, seq_length=128, batch_size=args.global_batch // dp, train_size=4096)
     recorder = Recorder()
     strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                micro_batch_size=args.micro_batch_size)
+                                micro_batch_size=args.micro_batch_size, cuda_graph=args.cuda_graph)
     trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -59,7 +61,7 @@ def main() -> None:
     if trainer.is_global_zero:
         steps = len(recorder.losses) - 2
         print(f"layout devices={args.devices} tp={args.tp} pp={args.pp} mbs={args.micro_batch_size} "
-              f"precision={args.precision} backend={torch.distributed.get_backend()} "
+              f"precision={args.precision} cuda_graph={args.cuda_graph} backend={torch.distributed.get_backend()} "
               f"{steps * args.global_batch * 128 / elapsed:.0f} tokens/s")
         print("losses " + " ".join(f"{l:.6f}" for l in recorder.losses), flush=True)
 

@@ -41,7 +41,7 @@ from .distributed import (DataParallelGrads, DistributedOptimizer, clip_grad_nor
                           finalize_model_grads, full_state_dict, load_full_state_dict, split_into_microbatches)
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
-from .pipeline import resolve_group_size
+from .pipeline import resolve_group_size, schedule_order
 from .pipeline.executor import forward_backward
 from .rng_state import capture_rng_state, restore_rng_state
 from .step_logging import StepLogCapture, broadcast_from_last_stage, replay
@@ -92,6 +92,8 @@ class MegatronStrategy(ParallelStrategy):
                  microbatch_group_size_per_vp_stage: Optional[int] = None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", cuda_graph: Optional[str] = None,
+                 cuda_graph_scope: Union[str, List[str]] = "layer", cuda_graph_warmup_steps: int = 1,
+                 cuda_graph_backend: str = "cuda",
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  grad_reduce_in_fp32: bool = False, use_distributed_optimizer: bool = False,
                  overlap_param_gather: bool = False,
@@ -116,9 +118,19 @@ class MegatronStrategy(ParallelStrategy):
             check_size("micro_batch_size", micro_batch_size)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
-        if cuda_graph not in (None, "none"):
-            raise ValueError(f"cuda_graph={cuda_graph!r}: CUDA graphs are not available in this version; "
-                             "leave cuda_graph unset.")
+        if cuda_graph == "full":
+            raise ValueError("cuda_graph='full' is not selectable through the strategy yet: use 'partial' (per-layer "
+                             "graphs), or wrap your own step with lightning_megatron.cuda_graphs.FullCudaGraphWrapper.")
+        if cuda_graph not in (None, "partial"):
+            raise ValueError(f"cuda_graph={cuda_graph!r} is not one of None, 'partial'.")
+        if cuda_graph is not None:
+            check_size("cuda_graph_warmup_steps", cuda_graph_warmup_steps)
+        if cuda_graph_backend not in ("cuda", "eager"):
+            raise ValueError(f"cuda_graph_backend={cuda_graph_backend!r} is not 'cuda' or 'eager' (the capture "
+                             "bookkeeping without graphs, for CPU tests).")
+        self.cuda_graph, self.cuda_graph_scope = cuda_graph, cuda_graph_scope
+        self.cuda_graph_warmup_steps, self.cuda_graph_backend = cuda_graph_warmup_steps, cuda_graph_backend
+        self._graphs: Any = None
         if bucket_size is not None:
             check_size("bucket_size", bucket_size)
         if overlap_param_gather and not use_distributed_optimizer:
@@ -240,6 +252,21 @@ class MegatronStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_gradient_clipping()
         self._install_found_inf_sync()
+        self._setup_cuda_graphs()
+
+    def _setup_cuda_graphs(self) -> None:
+        """``cuda_graph="partial"``: per-layer graphs, captured after the warm-up steps (seed 003)."""
+        if self.cuda_graph is None or self._graphs is not None:
+            return
+        if self.cuda_graph_backend == "cuda" and self.root_device.type != "cuda":
+            raise ValueError("cuda_graph='partial' needs CUDA GPUs (accelerator='gpu'); drop cuda_graph on CPUs.")
+        from .cuda_graphs import PartialCudaGraphs, layer_chunks
+
+        state = self._state()
+        chunks = layer_chunks(self.lightning_module, state.virtual_pipeline_size or 1)
+        self._graphs = PartialCudaGraphs(chunks, scope=self.cuda_graph_scope,
+                                         warmup_steps=self.cuda_graph_warmup_steps,
+                                         rng_tracker=state.rng_tracker, backend=self.cuda_graph_backend)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -384,6 +411,10 @@ class MegatronStrategy(ParallelStrategy):
             results.append(out if forward_only else reported)
             return loss, reported
 
+        if self._graphs is not None and not forward_only:
+            # per-layer graphs replay in exactly the order this schedule runs the layers
+            self._graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank, chunks,
+                                                   self.microbatch_group_size_per_vp_stage))
         output = forward_backward(step, microbatches, [module] * chunks, num_microbatches=len(microbatches),
                                   dtype=self._activation_dtype(), variable_seq_lengths=True,
                                   forward_only=forward_only, no_sync=no_sync,
@@ -678,6 +709,9 @@ class MegatronStrategy(ParallelStrategy):
         """The process groups stay until the next ``setup_environment`` (or process exit), so
         ``trainer.save_checkpoint`` after ``fit`` can still write its shards."""
         self._close_grad_buffers()
+        if self._graphs is not None:
+            self._graphs.remove()
+            self._graphs = None
         super().teardown()
 
     @classmethod

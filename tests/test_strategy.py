@@ -16,6 +16,9 @@ LAYOUTS = {
     "tp2cp2sp": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True)),
     "pp2cp2": (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2, micro_batch_size=2)),
     "dp2cp2": (4, dict(context_parallel_size=2)),
+    # per-layer graph bookkeeping (capture, static buffers, replay order) without a GPU
+    "pp2graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
+                          cuda_graph_backend="eager")),
 }
 
 
