@@ -41,6 +41,7 @@ from .distributed import (DataParallelGrads, DistributedOptimizer, clip_grad_nor
                           finalize_model_grads, full_state_dict, load_full_state_dict, split_into_microbatches)
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
+from .moe import set_aux_loss_scale, update_expert_biases
 from .pipeline import resolve_group_size, schedule_order
 from .pipeline.executor import forward_backward
 from .rng_state import capture_rng_state, restore_rng_state
@@ -131,6 +132,8 @@ class MegatronStrategy(ParallelStrategy):
         self.cuda_graph, self.cuda_graph_scope = cuda_graph, cuda_graph_scope
         self.cuda_graph_warmup_steps, self.cuda_graph_backend = cuda_graph_warmup_steps, cuda_graph_backend
         self._graphs: Any = None
+        self._routers = False           # the model has MoE routers (set in setup)
+        self._aux_loss_scale = 1.0
         if bucket_size is not None:
             check_size("bucket_size", bucket_size)
         if overlap_param_gather and not use_distributed_optimizer:
@@ -253,6 +256,9 @@ class MegatronStrategy(ParallelStrategy):
         self._install_gradient_clipping()
         self._install_found_inf_sync()
         self._setup_cuda_graphs()
+        from .moe import TopKRouter
+
+        self._routers = any(isinstance(m, TopKRouter) for m in self.model.modules())
 
     def _setup_cuda_graphs(self) -> None:
         """``cuda_graph="partial"``: per-layer graphs, captured after the warm-up steps (seed 003)."""
@@ -357,6 +363,8 @@ class MegatronStrategy(ParallelStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.distributed_optimizer is not None:
             self.distributed_optimizer.gather_params()
+        if self._routers:
+            update_expert_biases(self.lightning_module)   # aux-loss-free balancing: after the step
         return out
 
     def on_train_end(self) -> None:
@@ -411,6 +419,8 @@ class MegatronStrategy(ParallelStrategy):
             results.append(out if forward_only else reported)
             return loss, reported
 
+        if self._routers and not forward_only:   # ... and the executor's 1/micro-batches
+            set_aux_loss_scale(module, self._aux_loss_scale / len(microbatches))
         if self._graphs is not None and not forward_only:
             # per-layer graphs replay in exactly the order this schedule runs the layers
             self._graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank, chunks,
@@ -440,6 +450,9 @@ class MegatronStrategy(ParallelStrategy):
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
+
+        # MoE balancing losses inject their gradient inside backward: give it the main loss's factor
+        self._aux_loss_scale = (scaler.get_scale() if scaler is not None else 1.0) / accumulate
 
         def last_stage(microbatch: Any) -> Any:
             out = module.training_step(microbatch, *args[1:], **kwargs)

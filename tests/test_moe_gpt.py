@@ -26,3 +26,39 @@ def test_moe_gpt_trains_like_a_single_process(dispatcher, world, kwargs):
                        module_kwargs=module_kwargs, timeout=180)
     for rank_out in out:
         assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+
+
+class RecordRouters(__import__("lightning").Callback):
+    def on_train_batch_end(self, trainer, module, *args):
+        from lightning_megatron.moe import TopKRouter
+
+        routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+        module.step_losses_aux = getattr(module, "step_losses_aux", [])
+        module.step_losses_aux.append((routers[0].aux_loss_scale, float(routers[0].expert_bias.abs().sum())))
+
+
+def _aux(kwargs):
+    import strategy_utils
+
+    seen = {}
+
+    class Probe(strategy_utils.TinyGPT):
+        def on_fit_end(self):
+            seen["aux"] = self.step_losses_aux
+
+    config = dict(moe=MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2, aux_loss_coeff=1e-2,
+                                enable_expert_bias=True), moe_layer_freq=2)
+    out = fit_tiny_gpt(kwargs, module_cls=Probe, module_kwargs=config,
+                       trainer_kwargs=dict(accumulate_grad_batches=2, callbacks=[RecordRouters()]))
+    return out["losses"], seen["aux"]
+
+
+def test_aux_loss_scale_and_expert_bias_follow_the_schedule():
+    ref_losses, ref_aux = run_on_ranks(_aux, 1, dict(micro_batch_size=2), timeout=120)[0]
+    assert [scale for scale, _ in ref_aux] == [pytest.approx(1 / (4 * 2))] * 8    # 4 micro-batches, accumulate 2
+    assert ref_aux[-1][1] > 0                                                      # biases moved after steps
+    for losses, aux in run_on_ranks(_aux, 2, dict(expert_model_parallel_size=2, micro_batch_size=2), timeout=180):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        # each dp rank runs 2 micro-batches (scale 1/4); averaged over dp=2 that is one process's 1/8
+        assert [scale for scale, _ in aux] == [pytest.approx(1 / (2 * 2))] * 8
+        assert [bias for _, bias in aux] == pytest.approx([bias for _, bias in ref_aux], rel=1e-5)
