@@ -541,6 +541,29 @@ class MegatronStrategy(ParallelStrategy):
         out = self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
         return broadcast_from_last_stage(_to_cpu(out), self._state())   # rank 0 holds the first stage
 
+    def on_predict_end(self) -> None:
+        """Predictions of every data-parallel rank, put back in dataset order on every rank.
+
+        Lightning's predict sampler gives data-parallel rank r the samples r, r+dp, r+2dp, ...
+        (padded by repeating the first ones): interleaving the ranks' outputs and trimming the padding
+        restores the order. Outputs that are not tensors with a batch dimension stay per rank.
+        """
+        state = self._state()
+        loop = self.lightning_module.trainer.predict_loop
+        if state.dp_size == 1 or not loop.return_predictions:
+            return
+        for index, batches in enumerate(loop._predictions):
+            if not batches or not all(isinstance(b, torch.Tensor) and b.dim() for b in batches):
+                continue
+            local = torch.cat([b.cpu() for b in batches])
+            gathered: List[Any] = [None] * state.dp_size
+            dist.all_gather_object(gathered, local, group=state.dp_group)
+            loaders = self.lightning_module.trainer.predict_dataloaders
+            total = len((loaders[index] if isinstance(loaders, (list, tuple)) else loaders).dataset)
+            ordered = torch.stack(gathered, dim=1).flatten(0, 1)[:total]
+            per_batch = batches[0].shape[0] * state.dp_size
+            batches[:] = list(ordered.split(per_batch))
+
     # -- gradients -------------------------------------------------------------------------------------
 
     def _install_gradient_clipping(self) -> None:

@@ -103,3 +103,21 @@ def validate_tiny_gpt(strategy_kwargs, global_batch_size=8, module_cls=TinyGPTWi
     metrics = trainer.validate(module, DataLoader(TokenData(n=32, seed=1), batch_size=global_batch_size // (world // mp)),
                                verbose=False)
     return {k: float(v) for k, v in metrics[0].items()}
+
+
+class PredictingGPT(TinyGPT):
+    def predict_step(self, batch, batch_idx):
+        from lightning_megatron.tensor_parallel import gather_from_tensor_parallel_region
+
+        return gather_from_tensor_parallel_region(self.model(batch["input_ids"]))[..., :VOCAB].argmax(-1)
+
+
+def predict_tiny_gpt(strategy_kwargs, global_batch_size=4, dataset_size=10):
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    mp = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get("pipeline_model_parallel_size", 1)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    out = trainer.predict(PredictingGPT(), DataLoader(TokenData(n=dataset_size, seed=2),
+                                                      batch_size=global_batch_size // (world // mp)))
+    return torch.cat(out) if trainer.is_global_zero else None

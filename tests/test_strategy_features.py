@@ -217,3 +217,13 @@ def test_interrupted_adamw_run_resumes_like_one_process(tmp_path, world, kwargs)
         assert straight == pytest.approx(ref_straight, rel=1e-5)
         assert resumed[0] == straight[2]                            # the saved state, bit for bit
         assert resumed == pytest.approx(ref_resumed, rel=1e-5)
+
+
+@pytest.mark.parametrize("world, kwargs", [(4, dict(tensor_model_parallel_size=2)), (2, dict()),
+                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2))])
+def test_predict_returns_outputs_on_rank0_in_dataset_order(world, kwargs):
+    from strategy_utils import predict_tiny_gpt
+
+    ref = run_on_ranks(predict_tiny_gpt, 1, dict(), timeout=120)[0]
+    out = run_on_ranks(predict_tiny_gpt, world, kwargs, timeout=180)[0]
+    assert ref.shape == (10, 8) and torch.equal(out, ref)
