@@ -19,6 +19,7 @@ count). Dropping without padding needs the kept-row count: one copy in ``preproc
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
@@ -68,7 +69,7 @@ class DispatchMetadata:
             setattr(self, name, value)
 
 
-class TokenDispatcher:
+class TokenDispatcher(abc.ABC):
     """Shared setup: expert placement (global expert ``e`` lives on ep rank ``e // E_local``)."""
 
     def __init__(self, num_experts: int, topk: int, groups: Optional[MoEGroups] = None) -> None:
@@ -97,15 +98,18 @@ class TokenDispatcher:
             return num_tokens * self.topk
         return int(routing_map.sum())   # data-dependent: a host sync
 
+    @abc.abstractmethod
     def preprocess(self, hidden: Tensor, probs: Tensor, routing_map: Tensor, *, capacity: Optional[int] = None,
                    dropless: bool = True) -> Tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """Permute this rank's tokens into per-expert rows (the metadata goes to ``self.meta``)."""
 
+    @abc.abstractmethod
     def dispatch(self, hidden: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """Send the rows to the ranks holding their experts; return them and per-expert counts."""
 
+    @abc.abstractmethod
     def combine(self, expert_output: Tensor) -> Tensor:
-        raise NotImplementedError
+        """Bring expert outputs back to their tokens' rank, weighted by the routing probabilities."""
 
 
 class AllToAllTokenDispatcher(TokenDispatcher):
