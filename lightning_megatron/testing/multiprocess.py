@@ -26,7 +26,7 @@ MAX_WORLD_SIZE = 8
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "pytest", "lightning_megatron",
                       "lightning_megatron.tensor_parallel"]
 _GRACE_AFTER_ERROR_S = 3.0   # how long other ranks may still report once one has failed
-_GRACE_AFTER_DEATH_S = 1.0   # how long a dead rank's last message may take to arrive
+_GRACE_AFTER_DEATH_S = 5.0   # how long a dead rank's last message may take to arrive (busy CI machines)
 
 
 class MultiRankError(AssertionError):
