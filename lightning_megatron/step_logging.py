@@ -59,7 +59,7 @@ class StepLogCapture:
         for name in dict.fromkeys(names):
             values = [records[name][0] for records in self.microbatches if name in records]
             _, args, kwargs = next(records[name] for records in self.microbatches if name in records)
-            out[name] = (sum(values) / len(values), args, kwargs)
+            out[name] = (torch.stack(values).mean(), args, kwargs)   # on the device: no sync per micro-batch
         return out
 
 
@@ -69,7 +69,8 @@ def _is_metric(value: Any) -> bool:
     return isinstance(value, Metric)
 
 
-def _as_value(value: Any) -> float:
+def _as_value(value: Any) -> torch.Tensor:
+    """A detached float32 scalar tensor, left on its device (reading it would sync every micro-batch)."""
     if _is_metric(value):
         # the metric object lives on the last stage only: log the value it computed for this batch
         value = value._forward_cache
@@ -77,9 +78,9 @@ def _as_value(value: Any) -> float:
         if value.numel() != 1:
             raise ValueError(f"self.log needs a scalar under pipeline parallelism, got a tensor of shape "
                              f"{tuple(value.shape)}.")
-        return float(value.detach().float().item())
+        return value.detach().float().reshape(())
     if isinstance(value, numbers.Number):
-        return float(value)
+        return torch.tensor(float(value))
     raise TypeError(f"cannot log a {type(value).__name__} under pipeline parallelism; log a number or a "
                     "scalar tensor.")
 
@@ -88,7 +89,7 @@ def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
     """``obj`` as the last pipeline stage holds it, on every stage (a collective over pp)."""
     if state.pp_size == 1:
         return obj
-    box = [obj]
+    box = [_to_host(obj)]
     dist.broadcast_object_list(box, src=state.ranks("pp")[-1], group=state.pp_group)
     return box[0]
 
@@ -100,4 +101,17 @@ def replay(module: Any, records: Dict[str, Record], device: torch.device,
         kwargs = dict(kwargs)
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             kwargs["sync_dist_group"] = default_sync_group
-        module.log(name, torch.tensor(value, device=device), *args, **kwargs)
+        module.log(name, torch.as_tensor(value).to(device), *args, **kwargs)
+
+
+def _to_host(obj: Any) -> Any:
+    """Tensors as Python floats/CPU tensors before pickling them for another rank."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_to_host(v) for v in obj)
+    if isinstance(obj, list):
+        return [_to_host(v) for v in obj]
+    return obj
