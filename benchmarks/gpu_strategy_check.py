@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--cuda-graph", default=None, choices=[None, "partial"])
+    parser.add_argument("--cuda-graph", default=None, choices=[None, "partial", "full"])
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     dp = args.devices // (args.tp * args.pp)

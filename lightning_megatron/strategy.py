@@ -119,11 +119,15 @@ class MegatronStrategy(ParallelStrategy):
             check_size("micro_batch_size", micro_batch_size)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
-        if cuda_graph == "full":
-            raise ValueError("cuda_graph='full' is not selectable through the strategy yet: use 'partial' (per-layer "
-                             "graphs), or wrap your own step with lightning_megatron.cuda_graphs.FullCudaGraphWrapper.")
-        if cuda_graph not in (None, "partial"):
-            raise ValueError(f"cuda_graph={cuda_graph!r} is not one of None, 'partial'.")
+        if cuda_graph not in (None, "partial", "full"):
+            raise ValueError(f"cuda_graph={cuda_graph!r} is not one of None, 'partial', 'full'.")
+        if cuda_graph == "full" and self.pp > 1:
+            raise ValueError("cuda_graph='full' does not support pipeline parallelism yet (the stages exchange "
+                             "activation shapes on the host); use cuda_graph='partial' with "
+                             "pipeline_model_parallel_size > 1.")
+        if cuda_graph == "full" and (use_distributed_optimizer or overlap_grad_reduce or grad_reduce_in_fp32):
+            raise ValueError("cuda_graph='full' works with plain gradients: drop use_distributed_optimizer, "
+                             "overlap_grad_reduce and grad_reduce_in_fp32, or use cuda_graph='partial'.")
         if cuda_graph is not None:
             check_size("cuda_graph_warmup_steps", cuda_graph_warmup_steps)
         if cuda_graph_backend not in ("cuda", "eager"):
@@ -132,6 +136,8 @@ class MegatronStrategy(ParallelStrategy):
         self.cuda_graph, self.cuda_graph_scope = cuda_graph, cuda_graph_scope
         self.cuda_graph_warmup_steps, self.cuda_graph_backend = cuda_graph_warmup_steps, cuda_graph_backend
         self._graphs: Any = None
+        self._full_graph: Any = None
+        self._full_step_args: Any = None
         self._routers = False           # the model has MoE routers (set in setup)
         self._aux_loss_scale = 1.0
         if bucket_size is not None:
@@ -261,14 +267,22 @@ class MegatronStrategy(ParallelStrategy):
         self._routers = any(isinstance(m, TopKRouter) for m in self.model.modules())
 
     def _setup_cuda_graphs(self) -> None:
-        """``cuda_graph="partial"``: per-layer graphs, captured after the warm-up steps (seed 003)."""
-        if self.cuda_graph is None or self._graphs is not None:
+        """``"partial"``: per-layer graphs (seed 003); ``"full"``: the whole forward-backward of a training
+        step (seed 004); both captured after ``cuda_graph_warmup_steps`` eager steps."""
+        if self.cuda_graph is None or self._graphs is not None or self._full_graph is not None:
             return
         if self.cuda_graph_backend == "cuda" and self.root_device.type != "cuda":
-            raise ValueError("cuda_graph='partial' needs CUDA GPUs (accelerator='gpu'); drop cuda_graph on CPUs.")
-        from .cuda_graphs import PartialCudaGraphs, layer_chunks
+            raise ValueError(f"cuda_graph={self.cuda_graph!r} needs CUDA GPUs (accelerator='gpu'); drop cuda_graph "
+                             "on CPUs.")
+        from .cuda_graphs import FullCudaGraphWrapper, PartialCudaGraphs, layer_chunks
 
         state = self._state()
+        if self.cuda_graph == "full":
+            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            self._full_graph = FullCudaGraphWrapper(self._full_graph_step, params=params,
+                                                    warmup_steps=self.cuda_graph_warmup_steps,
+                                                    rng_tracker=state.rng_tracker, backend=self.cuda_graph_backend)
+            return
         chunks = layer_chunks(self.lightning_module, state.virtual_pipeline_size or 1)
         self._graphs = PartialCudaGraphs(chunks, scope=self.cuda_graph_scope,
                                          warmup_steps=self.cuda_graph_warmup_steps,
@@ -395,6 +409,41 @@ class MegatronStrategy(ParallelStrategy):
     def _run_schedule(self, batch: Any, run_last_stage: Callable[[Any], Any], forward_only: bool,
                       step_context: Callable[[], Any], passthrough_metrics: bool,
                       no_sync: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
+        """The schedule over ``batch`` (maybe replayed from a full-iteration CUDA graph), then the
+        step's loss and logs from the last stage on every rank."""
+        state = self._state()
+        module = self.lightning_module
+        if self.cuda_graph == "full" and not forward_only:
+            self._full_step_args = (run_last_stage, step_context, no_sync)   # read at capture only
+            core = self._full_graph(batch)
+        else:
+            core = self._schedule_core(batch, run_last_stage, forward_only, step_context, passthrough_metrics,
+                                       no_sync)
+        is_last = state.is_pipeline_last_stage(ignore_virtual=True)
+        reported = float(core["reported"]) if core["reported"] is not None else None
+        packet = broadcast_from_last_stage({"loss": reported, "logs": core["logs"]}, state)
+        replay(module, packet["logs"], self.root_device, state.dp_cp_group)
+        loss = packet["loss"]
+        if loss is not None and state.size("dp-cp") > 1:
+            # the step's loss is the mean over the whole (global) batch, as one process reports it
+            loss_tensor = torch.tensor([loss], dtype=torch.float64, device=self.root_device)
+            dist.all_reduce(loss_tensor, group=state.dp_cp_group)
+            loss = float(loss_tensor) / state.size("dp-cp")
+        return {"loss": loss, "outputs": core["outputs"] if is_last else None}
+
+    def _full_graph_step(self, batch: Any) -> Dict[str, Any]:
+        """What the full-iteration graph holds: every micro-batch's forward and backward on this rank.
+
+        Python side effects (``self.log``, the user's ``training_step``) run at the capture only; the
+        graph returns the loss and logged values as tensors that each replay refreshes.
+        """
+        run_last_stage, step_context, no_sync = self._full_step_args
+        core = self._schedule_core(batch, run_last_stage, False, step_context, False, no_sync)
+        return {"reported": core["reported"], "logs": core["logs"], "outputs": None}
+
+    def _schedule_core(self, batch: Any, run_last_stage: Callable[[Any], Any], forward_only: bool,
+                       step_context: Callable[[], Any], passthrough_metrics: bool,
+                       no_sync: Optional[Callable[[], Any]]) -> Dict[str, Any]:
         state = self._state()
         module = self.lightning_module
         if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
@@ -433,17 +482,10 @@ class MegatronStrategy(ParallelStrategy):
                                   device=self.root_device)
         is_last = state.is_pipeline_last_stage(ignore_virtual=True)
         reported = None
-        if is_last and not forward_only:
-            reported = float(torch.stack([r.float() for r in results]).mean()) if results else None
-        packet = broadcast_from_last_stage({"loss": reported, "logs": capture.averaged() if is_last else {}}, state)
-        replay(module, packet["logs"], self.root_device, state.dp_cp_group)
-        loss = packet["loss"]
-        if loss is not None and state.size("dp-cp") > 1:
-            # the step's loss is the mean over the whole (global) batch, as one process reports it
-            loss_tensor = torch.tensor([loss], dtype=torch.float64, device=self.root_device)
-            dist.all_reduce(loss_tensor, group=state.dp_cp_group)
-            loss = float(loss_tensor) / state.size("dp-cp")
-        return {"loss": loss, "outputs": results if is_last else None, "pipeline": output}
+        if is_last and not forward_only and results:
+            reported = torch.stack([r.float() for r in results]).mean()
+        return {"reported": reported, "logs": capture.averaged() if is_last else {},
+                "outputs": results if is_last else None}
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
@@ -748,6 +790,7 @@ class MegatronStrategy(ParallelStrategy):
         if self._graphs is not None:
             self._graphs.remove()
             self._graphs = None
+        self._full_graph = None
         super().teardown()
 
     @classmethod
