@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--cuda-graph", default=None, choices=[None, "partial", "full"])
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
@@ -50,7 +51,8 @@ def main() -> None:
     data = PatternTokens(vocab_size=512, seq_length=128, batch_size=args.global_batch // dp, train_size=4096)
     recorder = Recorder()
     strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                micro_batch_size=args.micro_batch_size, cuda_graph=args.cuda_graph)
+                                micro_batch_size=args.micro_batch_size, cuda_graph=args.cuda_graph,
+                                virtual_pipeline_model_parallel_size=args.vpp)
     trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

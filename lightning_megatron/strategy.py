@@ -121,10 +121,6 @@ class MegatronStrategy(ParallelStrategy):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
         if cuda_graph not in (None, "partial", "full"):
             raise ValueError(f"cuda_graph={cuda_graph!r} is not one of None, 'partial', 'full'.")
-        if cuda_graph == "full" and self.pp > 1:
-            raise ValueError("cuda_graph='full' does not support pipeline parallelism yet (the stages exchange "
-                             "activation shapes on the host); use cuda_graph='partial' with "
-                             "pipeline_model_parallel_size > 1.")
         if cuda_graph == "full" and (use_distributed_optimizer or overlap_grad_reduce or grad_reduce_in_fp32):
             raise ValueError("cuda_graph='full' works with plain gradients: drop use_distributed_optimizer, "
                              "overlap_grad_reduce and grad_reduce_in_fp32, or use cuda_graph='partial'.")
@@ -138,6 +134,7 @@ class MegatronStrategy(ParallelStrategy):
         self._graphs: Any = None
         self._full_graph: Any = None
         self._full_step_args: Any = None
+        self._activation_shape: Optional[tuple] = None   # of the tensors stages exchange, once seen
         self._routers = False           # the model has MoE routers (set in setup)
         self._aux_loss_scale = 1.0
         if bucket_size is not None:
@@ -431,6 +428,14 @@ class MegatronStrategy(ParallelStrategy):
             loss = float(loss_tensor) / state.size("dp-cp")
         return {"loss": loss, "outputs": core["outputs"] if is_last else None}
 
+    def _activation_shapes(self, forward_only: bool) -> Dict[str, Any]:
+        """How stages learn the shape of what they receive: sent ahead (any length), or, inside a
+        full-iteration graph (nothing may be read on the host there), the shape the eager warm-up
+        steps exchanged, which static batches keep."""
+        if self.cuda_graph == "full" and not forward_only and self._activation_shape is not None:
+            return {"tensor_shape": self._activation_shape, "variable_seq_lengths": False}
+        return {"variable_seq_lengths": True}
+
     def _full_graph_step(self, batch: Any) -> Dict[str, Any]:
         """What the full-iteration graph holds: every micro-batch's forward and backward on this rank.
 
@@ -459,9 +464,13 @@ class MegatronStrategy(ParallelStrategy):
         def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
             for root in roots:
                 root.set_input_tensor(ctx.input_tensor)
+            if ctx.input_tensor is not None:
+                self._activation_shape = tuple(ctx.input_tensor.shape)
             with step_context():
                 if not ctx.is_last_stage:
-                    return module(microbatch)
+                    activation = module(microbatch)
+                    self._activation_shape = tuple(activation.shape)
+                    return activation
                 with capture.microbatch():
                     out = run_last_stage(microbatch)
             loss, reported = _loss_of(out, forward_only)
@@ -475,7 +484,7 @@ class MegatronStrategy(ParallelStrategy):
             self._graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank, chunks,
                                                    self.microbatch_group_size_per_vp_stage))
         output = forward_backward(step, microbatches, [module] * chunks, num_microbatches=len(microbatches),
-                                  dtype=self._activation_dtype(), variable_seq_lengths=True,
+                                  dtype=self._activation_dtype(), **self._activation_shapes(forward_only),
                                   forward_only=forward_only, no_sync=no_sync,
                                   microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
                                   pp_group=state.pp_group if state.pp_size > 1 else None,

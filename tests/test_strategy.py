@@ -19,6 +19,8 @@ LAYOUTS = {
     # per-layer graph bookkeeping (capture, static buffers, replay order) without a GPU
     "pp2graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
                           cuda_graph_backend="eager")),
+    "pp2vpp2fullgraph": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                 micro_batch_size=2, cuda_graph="full", cuda_graph_backend="eager")),
     "dp2tp2fullgraph": (4, dict(tensor_model_parallel_size=2, micro_batch_size=2, cuda_graph="full",
                                 cuda_graph_backend="eager")),
 }
