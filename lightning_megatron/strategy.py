@@ -44,6 +44,7 @@ from .parallel.topology import DEFAULT_ORDER, check_size
 from .moe import set_aux_loss_scale, update_expert_biases
 from .pipeline import resolve_group_size, schedule_order
 from .pipeline.executor import forward_backward
+from .resumable_loader import ResumableLoader
 from .rng_state import capture_rng_state, restore_rng_state
 from .step_logging import StepLogCapture, broadcast_from_last_stage, replay
 from .tensor_parallel.random import seed_tracker
@@ -591,6 +592,17 @@ class MegatronStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         out = self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
         return broadcast_from_last_stage(_to_cpu(out), self._state())   # rank 0 holds the first stage
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Training loaders resume mid-epoch exactly (Lightning alone replays the epoch's batches)."""
+        from lightning.pytorch.trainer.states import RunningStage
+        from torch.utils.data import DataLoader
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
+            return ResumableLoader(dataloader)
+        return dataloader
 
     def on_predict_end(self) -> None:
         """Predictions of every data-parallel rank, put back in dataset order on every rank.

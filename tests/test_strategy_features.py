@@ -227,3 +227,29 @@ def test_predict_returns_outputs_on_rank0_in_dataset_order(world, kwargs):
     ref = run_on_ranks(predict_tiny_gpt, 1, dict(), timeout=120)[0]
     out = run_on_ranks(predict_tiny_gpt, world, kwargs, timeout=180)[0]
     assert ref.shape == (10, 8) and torch.equal(out, ref)
+
+
+def _stop_and_resume(kwargs, folder):
+    """Uninterrupted 8 steps (4 per epoch) checkpointing every step; resume from steps 2 and 5."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    world = os.environ["WORLD_SIZE"]
+    every_step = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    straight = fit_tiny_gpt(kwargs, max_steps=8, dataset_size=32, module_cls=AdamGPT,
+                            trainer_kwargs=dict(enable_checkpointing=True, callbacks=[every_step]))["losses"]
+    resumed = {}
+    for step in (2, 5):
+        os.environ["WORLD_SIZE"] = world
+        resumed[step] = fit_tiny_gpt(kwargs, max_steps=8, dataset_size=32, module_cls=AdamGPT,
+                                     resume_from=os.path.join(folder, f"step={step}.ckpt"))["losses"]
+    return straight, resumed
+
+
+@pytest.mark.parametrize("world, kwargs", [(4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                                    micro_batch_size=2)),
+                                           (4, dict(tensor_model_parallel_size=2))])
+def test_stop_at_step_k_and_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path, world, kwargs):
+    for straight, resumed in run_on_ranks(_stop_and_resume, world, kwargs, str(tmp_path / "ckpts"), timeout=300):
+        assert len(straight) == 8
+        for step, losses in resumed.items():   # mid-epoch (2) and mid second epoch (5)
+            assert losses == straight[step:], step
