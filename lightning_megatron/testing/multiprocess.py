@@ -144,6 +144,9 @@ def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> 
             failures[rank] = payload
             # Peers of a failed rank usually block in a collective: give them a moment, then stop.
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+    for rank, proc in enumerate(procs):   # died without a word while we waited for the others
+        if rank not in done and rank not in failures and not proc.is_alive() and proc.exitcode not in (None, 0):
+            failures[rank] = f"rank {rank} exited with code {proc.exitcode} without reporting a result"
     if failures:
         silent = [r for r in range(world_size) if r not in done and r not in failures]
         parts = [f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures)]
