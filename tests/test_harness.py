@@ -79,3 +79,29 @@ def test_launcher_mode_leaves_initialization_to_the_caller():
 def test_world_size_is_validated(bad):
     with pytest.raises(ValueError, match="world_size must be an integer in \\[1, 8\\]"):
         run_on_ranks(_env_only, bad)
+
+
+def init_process_group(flag):   # named like torch's: the harness recognises an init-time failure by it
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+    return dist.get_rank()
+
+
+def _flaky_mesh(flag):
+    if dist.get_rank() == 0:
+        return init_process_group(flag)
+    return dist.get_rank()
+
+
+def _user_error_mentioning_mesh():
+    raise RuntimeError("Gloo connectFullMesh failed (raised by the function itself)")
+
+
+def test_a_lost_connection_while_the_world_starts_is_retried_once(tmp_path):
+    assert run_on_ranks(_flaky_mesh, 2, str(tmp_path / "flag"), timeout=60) == [0, 1]
+
+
+def test_failures_of_the_function_are_not_retried():
+    with pytest.raises(MultiRankError, match="raised by the function itself"):
+        run_on_ranks(_user_error_mentioning_mesh, 1, timeout=60)

@@ -86,6 +86,21 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         raise ValueError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}.")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}.")
+    try:
+        return _run_once(fn, world_size, args, kwargs, timeout, backend, init_process_group, start_method)
+    except MultiRankError as err:
+        # gloo's TCP mesh setup occasionally loses a connection on a loaded machine, before any test
+        # code ran: start the world again once. Failures of the function itself are never retried.
+        if _GLOO_CONNECT_FAILURE not in str(err) or "init_process_group" not in str(err):
+            raise
+    return _run_once(fn, world_size, args, kwargs, timeout, backend, init_process_group, start_method)
+
+
+_GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, backend: str,
+              init_process_group: bool, start_method: str) -> List[Any]:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
