@@ -59,7 +59,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, index: int,
                 continue
             shaped = tuple(value.shape) == tuple(param.shape)
             if not shaped and value.dim() > 0 and placement != whole(param):
-                raise NotImplementedError(
+                raise ValueError(
                     f"optimizer {index} keeps {key!r} of shape {tuple(value.shape)} for the sharded parameter {name!r} "
                     f"(local shape {tuple(param.shape)}): only state shaped like its parameter (Adam, SGD momentum) "
                     f"or scalars can be resharded.")

@@ -99,7 +99,7 @@ def placement_of(param: torch.Tensor, ranks: Ranks, first_expert: Optional[int] 
 
     if expert and ranks.ep_size > 1:
         if split and dim == 0:
-            raise NotImplementedError("an expert parameter split over etp along dim 0 (the expert dim) is not "
+            raise ValueError("an expert parameter split over etp along dim 0 (the expert dim) is not "
                                       "supported; split expert weights along another dim.")
         start = first_expert if first_expert is not None else ranks.ep_rank * shape[0]
         global_shape[0] = shape[0] * ranks.ep_size
