@@ -137,6 +137,8 @@ class MegatronStrategy(ParallelStrategy):
         self._full_step_args: Any = None
         self._activation_shape: Optional[tuple] = None   # of the tensors stages exchange, once seen
         self._routers = False           # the model has MoE routers (set in setup)
+        self._roots: List[nn.Module] = []     # modules taking the previous stage's activation (setup)
+        self._stage_dtype = torch.float32     # dtype of the activations stages exchange (setup)
         self._aux_loss_scale = 1.0
         if bucket_size is not None:
             check_size("bucket_size", bucket_size)
@@ -234,8 +236,8 @@ class MegatronStrategy(ParallelStrategy):
     def _seed_identically(self) -> None:
         """Replicated activations need identical dropout on every tp rank: one seed for the world."""
         state = self._state()
-        seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long)
-        dist.broadcast(seed.to(self.root_device), src=0) if self.root_device.type != "cpu" else dist.broadcast(seed, 0)
+        seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long, device=self.root_device)
+        dist.broadcast(seed, src=0)   # on the device NCCL needs, and read back from that same tensor
         seed = int(seed.item())
         torch.manual_seed(seed)
         seed_tracker(state.rng_tracker, seed, state.tp_rank, state.ep_rank, state.etp_rank)
@@ -263,6 +265,9 @@ class MegatronStrategy(ParallelStrategy):
         from .moe import TopKRouter
 
         self._routers = any(isinstance(m, TopKRouter) for m in self.model.modules())
+        # found once: the schedule needs them every micro-batch
+        self._roots = self._pipeline_roots()
+        self._stage_dtype = self._activation_dtype()
 
     def _setup_cuda_graphs(self) -> None:
         """``"partial"``: per-layer graphs (seed 003); ``"full"``: the whole forward-backward of a training
@@ -458,7 +463,7 @@ class MegatronStrategy(ParallelStrategy):
         chunks = state.virtual_pipeline_size or 1
         if chunks > 1:
             resolve_group_size(len(microbatches), state.pp_size, chunks, self.microbatch_group_size_per_vp_stage)
-        roots = self._pipeline_roots()
+        roots = self._roots
         capture = StepLogCapture(module, passthrough_metrics)
         results: List[Any] = []
 
@@ -485,7 +490,7 @@ class MegatronStrategy(ParallelStrategy):
             self._graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank, chunks,
                                                    self.microbatch_group_size_per_vp_stage))
         output = forward_backward(step, microbatches, [module] * chunks, num_microbatches=len(microbatches),
-                                  dtype=self._activation_dtype(), **self._activation_shapes(forward_only),
+                                  dtype=self._stage_dtype, **self._activation_shapes(forward_only),
                                   forward_only=forward_only, no_sync=no_sync,
                                   microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
                                   pp_group=state.pp_group if state.pp_size > 1 else None,
