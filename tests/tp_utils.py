@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.parallel import ParallelLayout, ParallelState
+from lightning_megatron.models.sharding import full_of
 from lightning_megatron.tensor_parallel.mappings import gather_along_dim
 
 ATOL = 1e-5
@@ -25,22 +26,10 @@ def close(a, b, atol=ATOL, rtol=RTOL):
 
 
 def full_param(shard, state):
-    """The full tensor of a tensor-parallel parameter (or its grad) from every rank's shard.
-
-    ``partition_stride`` > 1 (e.g. SwiGLU's gate|up) means each shard is ``stride`` blocks that
-    belong to ``stride`` separate regions of the master tensor.
-    """
-    param = shard
-    if not getattr(param, "tensor_model_parallel", False):
-        return shard.detach()
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    blocks = shard.detach().chunk(stride, dim=dim)
-    return torch.cat([gather_along_dim(b.contiguous(), dim, state.tp_group) for b in blocks], dim=dim)
+    """The full tensor of a tensor-parallel parameter from every rank's shard (the library's own
+    ``full_of``, which honours ``partition_dim``/``partition_stride``)."""
+    return full_of(shard.detach(), shard, state.tp_group)
 
 
 def full_grad(param, state):
-    grad = param.grad.detach()
-    for name in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-        if hasattr(param, name):
-            setattr(grad, name, getattr(param, name))
-    return full_param(grad, state)
+    return full_of(param.grad.detach(), param, state.tp_group)
