@@ -97,15 +97,16 @@ def test_full_wrapper_refuses_new_shapes_and_keeps_eager_grad_semantics():
 
 
 # -- a small GPT trained eagerly and with graphs ---------------------------------------------------
-def _moe_config(expert_backend="auto"):
+def _moe_config(expert_backend="auto", spare=0):
     from lightning_megatron.moe import MoEConfig
 
     return MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=64, num_experts=4, topk=2, aux_loss_coeff=1e-2,
-                     expert_backend=expert_backend)
+                     expert_backend=expert_backend, num_spare_experts_per_ep_rank=spare)
 
 
 def _train(mode, *, pp=1, vp=None, steps=5, warmup=2, scope="layer", dropout=0.1, dtype=torch.float32,
-           moe=False, num_mb=4, graph_backend="cuda", layers=4, expert_backend="auto", autocast=None):
+           moe=False, num_mb=4, graph_backend="cuda", layers=4, expert_backend="auto", autocast=None, ep=1,
+           spare=0):
     """Losses of ``steps`` SGD steps and the last step's gradients (this rank's parameters)."""
     from lightning_megatron.models import GPTModel
     from lightning_megatron.parallel import ParallelLayout, ParallelState
@@ -115,11 +116,11 @@ def _train(mode, *, pp=1, vp=None, steps=5, warmup=2, scope="layer", dropout=0.1
 
     world = dist.get_world_size()
     device = torch.device("cuda" if graph_backend == "cuda" else "cpu")
-    state = ParallelState(ParallelLayout(world, pp=pp), virtual_pipeline_size=vp).activate()
+    state = ParallelState(ParallelLayout(world, pp=pp, ep=ep), virtual_pipeline_size=vp).activate()
     model_parallel_seed(1234)
     cfg = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=dropout,
                             attention_dropout=dropout, params_dtype=dtype, moe_layer_freq=2,
-                            moe=_moe_config(expert_backend) if moe else None)
+                            moe=_moe_config(expert_backend, spare) if moe else None)
     model = VirtualChunks(lambda v: GPTModel(cfg, VOCAB, SEQ, vp_rank=v)).to(device)
     chunks = vp or 1
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -228,6 +229,16 @@ def test_moe_partial_scopes_train_like_eager_on_cpu():
             ("preprocess only", "partial", {"scope": ["moe_preprocess", "mlp"]})]
     results = run_on_ranks(_modes, 1, runs, graph_backend="eager", moe=True, steps=4, timeout=300)[0]
     _assert_same(results, 1e-6, 1e-6)
+
+
+def test_moe_partial_scopes_carry_the_echo_plan_on_cpu():
+    """EP=2 with a spare slot per rank: the offloading plan (rerouted map, probs and each slot's home
+    expert) leaves the router/preprocess graphs as outputs and the eager rest uses the replayed plan."""
+    runs = [("router", "partial", {"scope": ["attn", "moe_router"]}),
+            ("preprocess", "partial", {"scope": ["attn", "moe_router", "moe_preprocess"]})]
+    per_rank = run_on_ranks(_modes, 2, runs, graph_backend="eager", moe=True, ep=2, spare=1, steps=4, timeout=300)
+    for results in per_rank:
+        _assert_same(results, 1e-6, 1e-6)
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------

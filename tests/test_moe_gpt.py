@@ -1,4 +1,5 @@
-"""A GPT whose MLPs are MoE layers trains under the strategy at EP2xTP2 (and EP2xDP2) exactly as at EP1."""
+"""A GPT whose MLPs are MoE layers trains under the strategy at EP2xTP2 (and EP2xDP2, and with ECHO
+spare slots) exactly as at EP1."""
 
 import pytest
 
@@ -7,19 +8,23 @@ from lightning_megatron.testing import run_on_ranks
 from strategy_utils import fit_tiny_gpt
 
 
-def moe(dispatcher):
-    return dict(moe=MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2, dispatcher=dispatcher),
+def moe(dispatcher, spare=0):
+    return dict(moe=MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2, dispatcher=dispatcher,
+                              num_spare_experts_per_ep_rank=spare),
                 moe_layer_freq=2)
 
 
-@pytest.mark.parametrize("dispatcher, world, kwargs", [
-    ("alltoall", 4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),    # etp2 ep2: edp1
-    ("allgather", 4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)),
-    ("alltoall", 4, dict(expert_model_parallel_size=2)),                                  # dp4, ep2: edp2
-    ("alltoall", 4, dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)),   # edp4 holds tp shares
+@pytest.mark.parametrize("dispatcher, world, kwargs, spare", [
+    ("alltoall", 4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), 0),    # etp2 ep2: edp1
+    ("allgather", 4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), 0),
+    ("alltoall", 4, dict(expert_model_parallel_size=2), 0),                                  # dp4, ep2: edp2
+    ("alltoall", 4, dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), 0),   # edp4 holds tp shares
+    # ECHO: a spare slot per EP rank; the EP1 reference has none (offloading is off at ep=1)
+    ("alltoall", 4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), 1),
+    ("allgather", 4, dict(expert_model_parallel_size=4), 1),
 ])
-def test_moe_gpt_trains_like_a_single_process(dispatcher, world, kwargs):
-    module_kwargs = moe(dispatcher)
+def test_moe_gpt_trains_like_a_single_process(dispatcher, world, kwargs, spare):
+    module_kwargs = moe(dispatcher, spare)
     ref = run_on_ranks(fit_tiny_gpt, 1, dict(), trainer_kwargs=dict(gradient_clip_val=0.5),
                        module_kwargs=module_kwargs, timeout=120)[0]
     out = run_on_ranks(fit_tiny_gpt, world, kwargs, trainer_kwargs=dict(gradient_clip_val=0.5),

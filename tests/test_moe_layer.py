@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from lightning_megatron.moe import MoEConfig, MoELayer, collect_aux_losses
 from lightning_megatron.parallel import ParallelLayout, ParallelState
-from lightning_megatron.tensor_parallel.mappings import gather_along_dim
 from lightning_megatron.testing import run_on_ranks
+from moe_utils import global_weights
 
 S, B, H, FFN, E, K = 8, 2, 8, 8, 8, 2     # sequence, batch, hidden, expert ffn, experts, top-k
 SEED = 1234
@@ -52,47 +52,13 @@ def data(dp):
 # --- the ranks' side ---------------------------------------------------------------------------------
 
 
-def _unstride(w, parts, dim):
-    """Undo the per-rank [gate_r; up_r] interleave of a gathered SwiGLU weight along ``dim``."""
-    shape = w.shape
-    w = w.reshape(shape[:dim] + (parts, 2, shape[dim] // (2 * parts)) + shape[dim + 1:])
-    return w.transpose(dim, dim + 1).reshape(shape)
-
-
-def _global_weights(layer, state, grads):
-    """Router, expert and shared-expert weights (or their reduced gradients) as on one process."""
-    pick = (lambda p: p.grad) if grads else (lambda p: p.detach())
-    glu = layer.config.activation == "swiglu"
-    router = pick(layer.router.weight).clone()
-    w1, w2 = pick(layer.experts.weight1).clone(), pick(layer.experts.weight2).clone()
-    if grads:
-        dist.all_reduce(router)                       # tp partial sums (split tokens) + dp replicas
-        dist.all_reduce(w1, group=state.group("edp"))
-        dist.all_reduce(w2, group=state.group("edp"))
-    w1 = gather_along_dim(w1, 1, state.group("etp"))
-    if glu:
-        w1 = _unstride(w1, state.etp_size, 1)
-    out = {"router": router,
-           "w1": gather_along_dim(w1, 0, state.group("ep")),
-           "w2": gather_along_dim(gather_along_dim(w2, 2, state.group("etp")), 0, state.group("ep"))}
-    if layer.shared_experts is not None:
-        s1, s2 = pick(layer.shared_experts.fc1.weight).clone(), pick(layer.shared_experts.fc2.weight).clone()
-        if grads:
-            dist.all_reduce(s1, group=state.group("dp"))
-            dist.all_reduce(s2, group=state.group("dp"))
-        s1 = gather_along_dim(s1, 0, state.group("tp"))
-        out["s1"] = _unstride(s1, state.tp_size, 0) if glu else s1
-        out["s2"] = gather_along_dim(s2, 1, state.group("tp"))
-    return out
-
-
 def _run_case(state, variant, sequence_parallel):
     cfg = config(variant, sequence_parallel and state.tp_size > 1)
     torch.manual_seed(SEED)
     layer = MoELayer(cfg)
     if cfg.enable_expert_bias:
         layer.router.expert_bias.copy_(EXPERT_BIAS)
-    weights = _global_weights(layer, state, grads=False)
+    weights = global_weights(layer, state, grads=False)
     xs, gs = data(state.dp_size)
     x, g = xs[state.dp_rank], gs[state.dp_rank]
     if cfg.sequence_parallel:
@@ -103,7 +69,7 @@ def _run_case(state, variant, sequence_parallel):
     aux = collect_aux_losses(layer, group=state.group("tp-cp"))
     result = {"dp": state.dp_rank, "tp": state.tp_rank, "out": out.detach(), "dx": x.grad,
               "aux": {k: v.item() for k, v in aux.items()}}
-    grads = _global_weights(layer, state, grads=True)
+    grads = global_weights(layer, state, grads=True)
     if state.rank == 0:
         result.update(weights=weights, grads=grads)
     return result

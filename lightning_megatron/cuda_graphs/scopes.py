@@ -8,7 +8,8 @@ outputs into the method's result. Scopes (seed 003):
 - ``"attn"``: ``TransformerLayer.attention_block`` (norm, attention, dropout, residual).
 - ``"mlp"``: ``TransformerLayer.mlp_block`` (dense MLP; an MoE MLP only where it never syncs).
 - ``"moe_router"`` / ``"moe_preprocess"`` (MoE layers, pre-norm): the graph stops after the
-  router (``probs``, ``routing_map``) or after the dispatcher's ``preprocess`` (permuted tokens
+  router (``probs``, ``routing_map``; with ECHO spare slots also the offloading plan, which is
+  sync-free) or after the dispatcher's ``preprocess`` (permuted tokens
   and ``dispatcher.meta``'s tensors), including the attention block when ``"attn"`` is in the
   scope; ``finish`` restores the dispatch metadata (host integers from the capture, tensors from
   the replay) and runs dispatch, experts and combine eagerly -- the parts whose shapes depend on
@@ -172,13 +173,15 @@ def _moe_head(layer: nn.Module, with_attention: bool, stop: str) -> Tuple[Callab
         x = layer.mlp_norm(h1)
         shared = moe.shared_experts_compute(x)
         local = moe._split_tokens(x)
-        probs, routing_map = moe.route(local)
+        probs, routing_map, spare_homes = moe.offload(*moe.route(local))
         named: List[Tuple[str, torch.Tensor]] = [("h1", h1)] if with_attention else []
         meta, meta_names = None, ()
         if stop == "route":
             named += [("local", local), ("probs", probs), ("routing_map", routing_map)]
+            if spare_homes is not None:
+                named.append(("spare_homes", spare_homes))
         else:
-            tokens, row_probs = moe.preprocess(local.reshape(-1, hidden_size), probs, routing_map)
+            tokens, row_probs = moe.preprocess(local.reshape(-1, hidden_size), probs, routing_map, spare_homes)
             tensors = moe.dispatcher.meta.tensors()
             meta_names = tuple(tensors)
             meta = dataclasses.replace(moe.dispatcher.meta, **{n: None for n in meta_names})
@@ -192,7 +195,8 @@ def _moe_head(layer: nn.Module, with_attention: bool, stop: str) -> Tuple[Callab
         out = dict(zip(aux.names, outputs))
         h1 = out["h1"] if with_attention else args[0]
         if stop == "route":
-            tokens, row_probs = moe.preprocess(out["local"].reshape(-1, hidden_size), out["probs"], out["routing_map"])
+            tokens, row_probs = moe.preprocess(out["local"].reshape(-1, hidden_size), out["probs"], out["routing_map"],
+                                               out.get("spare_homes"))
         else:
             meta = dataclasses.replace(aux.meta)
             meta.load_tensors({n: out[f"meta.{n}"] for n in aux.meta_names})

@@ -42,7 +42,7 @@ class DispatchMetadata:
     Integers are static for a given input shape; tensors stay on the device.
     """
 
-    TENSOR_FIELDS = ("routing_map", "slots", "counts", "tokens_per_expert", "sort_index")
+    TENSOR_FIELDS = ("routing_map", "slots", "counts", "tokens_per_expert", "sort_index", "spare_homes")
 
     num_tokens: int = 0                       # tokens routed on this rank
     num_out: int = 0                          # rows permuted on this rank
@@ -56,6 +56,7 @@ class DispatchMetadata:
     tokens_per_expert: Optional[Tensor] = None  # [E_local] rows per local expert after dispatch
     sort_index: Optional[Tensor] = None       # received rows -> expert-major order
     splits: Optional[Dict[str, List[int]]] = None  # host row counts of the collectives
+    spare_homes: Optional[Tensor] = None      # ECHO: [ep·k] home expert of each spare slot (-1 unused)
 
     def tensors(self) -> Dict[str, Tensor]:
         """The tensor fields that are set (what a partial CUDA graph must output)."""

@@ -91,13 +91,18 @@ def _select_row(x: Tensor, ep_rank: Tensor | int) -> Tensor:
 
 
 def _check_counts(count_tokens_per_expert_from_ep_rank: Tensor, num_ep_ranks: int | None) -> int:
-    """Validate the ``[R, E]`` count matrix (shapes only, never values) and return ``R``."""
+    """Validate the ``[sources, E]`` count matrix (shapes only, never values) and return ``R``.
+
+    Rows are the ranks that send tokens: the EP ranks, or the ``etp x ep`` ranks of the
+    expert model-parallel group when experts are also tensor-parallel. ``R`` (where experts
+    live) defaults to the number of rows.
+    """
     if count_tokens_per_expert_from_ep_rank.dim() != 2:
-        raise ValueError("count_tokens_per_expert_from_ep_rank must be [num_ep_ranks, num_experts]")
+        raise ValueError("count_tokens_per_expert_from_ep_rank must be [num_source_ranks, num_experts]")
     num_from_ranks, num_experts = count_tokens_per_expert_from_ep_rank.shape
     num_ep_ranks = num_from_ranks if num_ep_ranks is None else num_ep_ranks
-    if num_from_ranks != num_ep_ranks:
-        raise ValueError(f"count matrix has {num_from_ranks} rows, expected num_ep_ranks={num_ep_ranks}")
+    if num_ep_ranks < 1:
+        raise ValueError(f"num_ep_ranks must be >= 1, got {num_ep_ranks}")
     if num_experts % num_ep_ranks:
         raise ValueError(f"num_experts={num_experts} is not divisible by num_ep_ranks={num_ep_ranks}")
     return num_ep_ranks
@@ -391,9 +396,11 @@ def gen_offloading_plan(
     Args:
         map_token_to_expert: ``[T, E]`` bool, this rank's routing map.
         probs_routing: ``[T, E]`` float, this rank's routing probs.
-        count_tokens_per_expert_from_ep_rank: ``[R, E]`` int, all-gathered
-            ``map_token_to_expert.sum(0)`` of every EP rank (the same on all ranks).
-        ep_rank: this rank's index in the EP group (int or 0-dim device tensor).
+        count_tokens_per_expert_from_ep_rank: ``[sources, E]`` int, all-gathered
+            ``map_token_to_expert.sum(0)`` of every rank that routes tokens to these
+            experts (the EP ranks; ``etp x ep`` ranks under expert tensor parallelism).
+            The same on all of them.
+        ep_rank: this rank's row in that matrix (int or 0-dim device tensor).
         num_ep_ranks: ``R``.
         num_spare_experts_per_ep_rank: ``k`` spare slots per EP rank.
 

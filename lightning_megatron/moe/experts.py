@@ -19,7 +19,7 @@ the numbers EP=1 holds, whatever the layout.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -133,15 +133,21 @@ class GroupedMLP(nn.Module):
             return "grouped_mm"
         return "loop"
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor, rows_per_expert: Optional[int] = None) -> Tensor:
-        """``x [R, H]``: rows of expert 0, then expert 1, ...; ``tokens_per_expert [E_local]`` on any
-        device; ``rows_per_expert``: the static count when every expert has the same (padded)."""
+    def forward(self, x: Tensor, tokens_per_expert: Tensor, rows_per_expert: Optional[int] = None,
+                weights: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+        """``x [R, H]``: rows of expert 0, then expert 1, ...; ``tokens_per_expert`` (one count per
+        expert) on any device; ``rows_per_expert``: the static count when every expert has the same
+        (padded). ``weights``: ``(weight1, weight2)``-shaped stand-ins with more experts (ECHO's
+        home experts followed by the spare slots' copies); default this module's own."""
         backend = self.pick_backend(x, rows_per_expert)
-        w1, w2 = self.weight1, self.weight2
+        w1, w2 = weights if weights is not None else (self.weight1, self.weight2)
+        if w1.shape[1:] != self.weight1.shape[1:] or w2.shape[1:] != self.weight2.shape[1:]:
+            raise ValueError(f"weights must be shaped [n, *{tuple(self.weight1.shape[1:])}] and "
+                             f"[n, *{tuple(self.weight2.shape[1:])}], got {tuple(w1.shape)} and {tuple(w2.shape)}.")
         if backend == "bmm":
             if rows_per_expert is None:
                 raise ValueError("backend='bmm' needs rows_per_expert (every expert the same row count).")
-            xs = x.reshape(self.num_local_experts, rows_per_expert, -1)
+            xs = x.reshape(w1.shape[0], rows_per_expert, -1)
             h = _activate(torch.bmm(xs, w1.transpose(1, 2)), self.activation)
             return torch.bmm(h, w2.transpose(1, 2)).reshape(x.shape[0], -1)
         if backend == "grouped_mm":

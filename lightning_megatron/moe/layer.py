@@ -35,11 +35,14 @@ from torch import Tensor, nn
 
 from ..tensor_parallel.layers import InitMethod
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from .comm import group_size
+from ..tensor_parallel.utils import divide
+from .comm import all_gather_stack, group_rank, group_size
 from .dispatcher import DISPATCHERS, TokenDispatcher, build_dispatcher
+from .echo import gen_offloading_plan, home_expert_of_spare
 from .experts import ACTIVATIONS, GroupedMLP, SharedExpertMLP
 from .groups import MoEGroups
 from .router import TopKRouter
+from .spare_weights import dispatch_to_spare_slots
 
 
 @dataclasses.dataclass
@@ -68,6 +71,7 @@ class MoEConfig:
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
     expert_backend: str = "auto"               # GroupedMLP backend: auto | grouped_mm | loop | bmm
+    num_spare_experts_per_ep_rank: int = 0     # ECHO: k spare expert slots per EP rank (0: off)
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -77,6 +81,13 @@ class MoEConfig:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        if self.num_spare_experts_per_ep_rank < 0:
+            raise ValueError("num_spare_experts_per_ep_rank must be >= 0 (0 turns ECHO offloading off), "
+                             f"got {self.num_spare_experts_per_ep_rank}.")
+        if self.num_spare_experts_per_ep_rank and self.capacity_factor is not None:
+            raise ValueError("num_spare_experts_per_ep_rank > 0 (ECHO offloading) needs dropless routing: "
+                             f"set capacity_factor=None (got {self.capacity_factor}); offloading rebalances the "
+                             "tokens a capacity would drop.")
 
     def router_kwargs(self) -> Dict[str, object]:
         names = ("score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "aux_loss_coeff",
@@ -118,10 +129,16 @@ class MoELayer(nn.Module):
                 group=groups.tp if groups else None)   # None: follow the active state (keeps it copyable)
         else:
             self.shared_experts = None
-        self.dispatcher: TokenDispatcher = build_dispatcher(config.dispatcher, config.num_experts, config.topk, groups)
+        ep_size, ep_rank = group_size(g.ep), group_rank(g.ep)
+        num_home = divide(config.num_experts, ep_size, "num_experts", by="expert-parallel size (ep)")
+        # ECHO needs another EP rank to offload to; at ep=1 it would only add empty slots.
+        self.num_spare = config.num_spare_experts_per_ep_rank if ep_size > 1 else 0
+        # With spare slots the dispatcher sees E + ep*k rank-major columns: E/ep home + k spare per rank.
+        self.dispatcher: TokenDispatcher = build_dispatcher(config.dispatcher, config.num_experts + ep_size * self.num_spare,
+                                                            config.topk, groups)
         d = self.dispatcher
-        self.experts = GroupedMLP(d.num_local_experts, config.hidden_size, config.ffn_hidden_size,
-                                  activation=config.activation, first_expert=d.local_experts.start,
+        self.experts = GroupedMLP(num_home, config.hidden_size, config.ffn_hidden_size,
+                                  activation=config.activation, first_expert=ep_rank * num_home,
                                   etp_size=d.etp_size, etp_rank=d.etp_rank, init_method=init_method,
                                   output_layer_init_method=output_layer_init_method, params_dtype=params_dtype,
                                   device=device, backend=config.expert_backend)
@@ -143,16 +160,44 @@ class MoELayer(nn.Module):
         """``(probs [T, E], routing_map [T, E])`` for this rank's tokens."""
         return self.router(x)
 
-    def preprocess(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tuple[Tensor, Tensor]:
+    def offload(self, probs: Tensor, routing_map: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """ECHO: move tokens of overloaded EP ranks' experts to spare slots on underloaded ranks.
+
+        Returns ``(probs, routing_map, spare_homes)``: with offloading on, the first two are
+        ``[T, E + ep·k]`` in rank-major column order and ``spare_homes [ep·k]`` names the home expert
+        each spare slot copies (``-1``: unused); otherwise the inputs and ``None``. The plan reads the
+        token counts of every rank sending to these experts (etp × ep), so all of them agree on it.
+        """
+        if not self.num_spare:
+            return probs, routing_map, None
+        g, d = self.groups, self.dispatcher
+        counts = all_gather_stack(all_gather_stack(routing_map.sum(dim=0), g.ep), g.etp)
+        counts = counts.view(-1, self.config.num_experts)                   # [etp·ep, E], row q·ep + p
+        routing_map, probs, offloading_map = gen_offloading_plan(
+            routing_map, probs, counts, d.etp_rank * d.ep_size + d.ep_rank, d.ep_size, self.num_spare)
+        return probs, routing_map, home_expert_of_spare(offloading_map)
+
+    def preprocess(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
+                   spare_homes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         capacity = self.router.capacity(tokens.shape[0]) if self.config.pad_to_capacity else None
-        return self.dispatcher.preprocess(tokens, probs, routing_map, capacity=capacity,
-                                          dropless=self.router.dropless)
+        out = self.dispatcher.preprocess(tokens, probs, routing_map, capacity=capacity, dropless=self.router.dropless)
+        self.dispatcher.meta.spare_homes = spare_homes
+        return out
 
     def dispatch(self, tokens: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
         return self.dispatcher.dispatch(tokens, probs)
 
     def experts_compute(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        return self.experts(tokens, tokens_per_expert, self.dispatcher.meta.rows_per_expert)
+        meta = self.dispatcher.meta
+        if not self.num_spare:
+            return self.experts(tokens, tokens_per_expert, meta.rows_per_expert)
+        if meta.spare_homes is None:
+            raise RuntimeError("This MoELayer has ECHO spare slots: pass offload()'s spare_homes to preprocess().")
+        ep, k = self.groups.ep, self.num_spare
+        w1, w2 = self.experts.weight1, self.experts.weight2
+        weights = (torch.cat([w1, dispatch_to_spare_slots(w1, meta.spare_homes, ep, k)]),
+                   torch.cat([w2, dispatch_to_spare_slots(w2, meta.spare_homes, ep, k)]))
+        return self.experts(tokens, tokens_per_expert, meta.rows_per_expert, weights=weights)
 
     def combine(self, expert_output: Tensor) -> Tensor:
         return self.dispatcher.combine(expert_output)
@@ -163,8 +208,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects hidden size {self.config.hidden_size}, got input {tuple(x.shape)}.")
         shared = self.shared_experts_compute(x)
         local = self._split_tokens(x)
-        probs, routing_map = self.route(local)
-        tokens, probs = self.preprocess(local.reshape(-1, self.config.hidden_size), probs, routing_map)
+        probs, routing_map, spare_homes = self.offload(*self.route(local))
+        tokens, probs = self.preprocess(local.reshape(-1, self.config.hidden_size), probs, routing_map, spare_homes)
         tokens, tokens_per_expert = self.dispatch(tokens, probs)
         out = self.combine(self.experts_compute(tokens, tokens_per_expert)).view(local.shape)
         out = self._unsplit_tokens(out)

@@ -1,0 +1,118 @@
+"""ECHO expert offloading under skewed routing: an MoE layer with and without spare slots.
+
+EP = the number of GPUs (one rank each, NCCL). Each rank routes ``tokens`` tokens top-k over
+``E`` experts; an expert bias (selection only, as aux-loss-free balancing uses it) pushes the
+tokens towards EP rank 0's experts, so rank 0 computes more rows than the rest and everyone waits
+for it. With ``k`` spare slots per rank, ECHO copies rank 0's busiest experts into the other
+ranks' slots and reroutes the excess there. Reported per (skew, k): the rows the busiest rank
+computes over the average, the forward+backward time of the layer (median over ranks' wall
+clock, all ranks synchronized per step), and expert TFLOP/s per GPU (useful FLOPs only:
+``rows · 2·H·F·3`` forward for SwiGLU, ×3 with backward), which is also MFU against 790 TFLOP/s.
+
+    python benchmarks/bench_echo.py [--gpus 2 --iters 20]
+    python benchmarks/bench_echo.py --smoke       # tiny sizes, gloo on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.moe import MoEConfig, MoELayer
+from lightning_megatron.parallel import ParallelLayout, ParallelState
+from lightning_megatron.testing import run_on_ranks
+
+PEAK_TFLOPS = 790.0
+
+
+def _rows_per_rank(layer: MoELayer, ep: int) -> torch.Tensor:
+    columns = layer.dispatcher.num_experts // ep
+    rows = layer.dispatcher.meta.routing_map.long().sum(dim=0).view(ep, columns).sum(dim=1)
+    dist.all_reduce(rows)
+    return rows
+
+
+def _case(args, skew: float, spare: int, device: torch.device, dtype: torch.dtype):
+    ep = dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_experts=args.experts, topk=args.topk,
+                    enable_expert_bias=True, num_spare_experts_per_ep_rank=spare)
+    layer = MoELayer(cfg, params_dtype=dtype, device=device)
+    with torch.no_grad():
+        layer.router.expert_bias[: args.experts // ep] = skew
+    gen = torch.Generator(device).manual_seed(1 + dist.get_rank())
+    x = torch.randn(args.tokens, 1, args.hidden, device=device, dtype=dtype, generator=gen, requires_grad=True)
+
+    def step():
+        out = layer(x)
+        out.backward(torch.ones_like(out))
+
+    for _ in range(args.warmup):
+        step()
+    rows = _rows_per_rank(layer, ep)
+    times = []
+    for _ in range(args.iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    ms = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)                 # a step is as slow as its slowest rank
+    flops = float(rows.sum()) * 2 * args.hidden * args.ffn * 3 * 3
+    return {"skew": skew, "spare": spare, "max/avg rows": float(rows.max() / rows.float().mean()),
+            "ms": float(ms), "tflops": flops / ep / (float(ms) * 1e-3) / 1e12}
+
+
+def _run(args):
+    rank = dist.get_rank()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    state = ParallelState(ParallelLayout(dist.get_world_size(), ep=dist.get_world_size())).activate()
+    results = [_case(args, skew, spare, device, dtype) for skew in args.skews for spare in args.spares]
+    state.destroy()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=1408)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.01, 0.02, 0.05])
+    parser.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.experts, args.hidden, args.ffn, args.tokens, args.iters, args.warmup = 8, 32, 32, 64, 2, 1
+    backend = "nccl" if torch.cuda.is_available() and not args.smoke else "gloo"
+    results = run_on_ranks(_run, args.gpus, args, backend=backend, timeout=900)[0]
+    name = torch.cuda.get_device_name() if backend == "nccl" else "cpu"
+    print(f"ECHO on {args.gpus}x {name}: E={args.experts} H={args.hidden} F={args.ffn} "
+          f"tokens/rank={args.tokens} top{args.topk}, SwiGLU, alltoall dispatcher")
+    print(f"{'skew':>5} {'spare k':>7} {'max/avg rows':>12} {'fwd+bwd ms':>10} {'TFLOP/s/GPU':>11} {'MFU':>6} "
+          f"{'vs k=0':>7}")
+    base = {}
+    for r in results:
+        base.setdefault(r["skew"], r["ms"])
+        print(f"{r['skew']:>5.1f} {r['spare']:>7d} {r['max/avg rows']:>12.2f} {r['ms']:>10.2f} {r['tflops']:>11.1f} "
+              f"{r['tflops'] / PEAK_TFLOPS:>6.1%} {base[r['skew']] / r['ms']:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
