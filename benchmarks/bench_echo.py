@@ -64,11 +64,58 @@ def _case(args, skew: float, spare: int, device: torch.device, dtype: torch.dtyp
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    ms = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    if args.phases and spare:
+        _time_phases(layer, x, args, device)
+    if args.profile and dist.get_rank() == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(f"--- profile: skew {skew}, k={spare}", flush=True)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        kernels = [e for e in events if e.self_device_time_total > 0]
+        print(f"kernels: {sum(e.count for e in kernels)} launches, "
+              f"{sum(e.self_device_time_total for e in kernels) / 1e3:.2f} ms GPU", flush=True)
+        for e in kernels[:args.profile_rows]:
+            print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:90]}", flush=True)
+    elif args.profile:
+        step()
+    ms = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)                 # a step is as slow as its slowest rank
     flops = float(rows.sum()) * 2 * args.hidden * args.ffn * 3 * 3
     return {"skew": skew, "spare": spare, "max/avg rows": float(rows.max() / rows.float().mean()),
             "ms": float(ms), "tflops": flops / ep / (float(ms) * 1e-3) / 1e12}
+
+
+def _time_phases(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -> None:
+    """Wall-clock ms of ECHO's own pieces, to tell launch overhead from GPU work."""
+    from lightning_megatron.moe.spare_weights import weights_with_spare_slots
+
+    local = x.detach().reshape(-1, args.hidden)
+    probs, routing_map = layer.route(local)
+    _, _, homes = layer.offload(probs, routing_map)
+    weights = (layer.experts.weight1, layer.experts.weight2)
+    pieces = {
+        "route": lambda: layer.route(local),
+        "offload (plan)": lambda: layer.offload(probs, routing_map),
+        "weights to slots": lambda: weights_with_spare_slots(weights, homes, layer.groups.ep, layer.num_spare),
+        "weights to slots fwd+bwd": lambda: sum(w.sum() for w in weights_with_spare_slots(
+            weights, homes, layer.groups.ep, layer.num_spare)).backward(),
+    }
+    for name, fn in pieces.items():
+        times = []
+        for i in range(args.iters + 3):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            if i >= 3:
+                times.append((time.perf_counter() - start) * 1e3)
+        if dist.get_rank() == 0:
+            print(f"  phase {name:<26} {statistics.median(times):7.3f} ms", flush=True)
+    layer.zero_grad(set_to_none=True)
 
 
 def _run(args):
@@ -92,11 +139,14 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=1408)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--topk", type=int, default=4)
-    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.01, 0.02, 0.05])
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.2, 0.5, 1.0])
     parser.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print rank 0's kernel table of one step per case")
+    parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--phases", action="store_true", help="time ECHO's pieces on their own")
     args = parser.parse_args()
     if args.smoke:
         args.experts, args.hidden, args.ffn, args.tokens, args.iters, args.warmup = 8, 32, 32, 64, 2, 1

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from lightning_megatron.moe import MoEConfig, MoELayer, gen_offloading_plan, home_expert_of_spare
 from lightning_megatron.moe.comm import all_gather_stack
-from lightning_megatron.moe.spare_weights import dispatch_to_spare_slots
+from lightning_megatron.moe.graph_replay import GraphReplay
+from lightning_megatron.moe.spare_weights import weights_with_spare_slots
 from lightning_megatron.parallel import ParallelLayout, ParallelState
 from lightning_megatron.testing import run_on_ranks
 
@@ -32,7 +33,7 @@ def _plan_and_slots(routing, probs, weight, group, ep, rank):
     counts = all_gather_stack(routing.sum(dim=0), group)                          # [ep, E]
     rerouted, rerouted_probs, offloading_map = gen_offloading_plan(routing, probs, counts, rank, ep, SPARE)
     homes = home_expert_of_spare(offloading_map)
-    return rerouted, rerouted_probs, homes, dispatch_to_spare_slots(weight, homes, group, SPARE)
+    return (rerouted, rerouted_probs, homes) + weights_with_spare_slots([weight], homes, group, SPARE)
 
 
 def _graph_case():
@@ -95,6 +96,7 @@ def _layer_case():
         (out * g).sum().backward()
         results.append((out.detach(), x.grad, layer.experts.weight1.grad, layer.experts.weight2.grad,
                         layer.router.weight.grad))
+        assert layer._plan.num_graphs == (1 if spare else 0)      # the plan replayed from its own graph
     state.destroy()
     return [(a.cpu(), b.cpu()) for a, b in zip(*results)]
 
@@ -105,3 +107,26 @@ def test_gpu_echo_layer_equals_the_unoffloaded_layer_over_nccl():
     for pairs in run_on_ranks(_layer_case, 2, backend="nccl", timeout=300):
         for plain, echo in pairs:
             torch.testing.assert_close(echo, plain, atol=1e-4, rtol=1e-4)
+
+
+def _cumulative(x, y, *, scale):
+    return (x.cumsum(0) * scale + y, (x > 0).sum(0, keepdim=True))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_equals_the_function_and_hands_out_fresh_outputs():
+    replay = GraphReplay(_cumulative, max_signatures=2)
+    gen = torch.Generator().manual_seed(0)
+    seen = []
+    for shape in [(5, 3), (5, 3), (7, 3), (5, 3), (9, 3)]:
+        x, y = torch.randn(shape, generator=gen).cuda(), torch.randn(shape, generator=gen).cuda()
+        got = replay(x, y, scale=2)
+        want = _cumulative(x, y, scale=2)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        seen.append((got[0], want[0]))
+    assert replay.num_graphs == 2                         # (5, 3) and (7, 3); (9, 3) ran eagerly
+    for got, want in seen:                                # earlier outputs were not overwritten by replays
+        assert torch.equal(got, want)
+    replay(torch.ones(5, 3).cuda(), torch.ones(5, 3).cuda(), scale=3)
+    assert replay.num_graphs == 2                         # a new constant is a new signature: over the limit

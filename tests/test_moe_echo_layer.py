@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.moe import MoEConfig, MoELayer
-from lightning_megatron.moe.spare_weights import dispatch_to_spare_slots
+from lightning_megatron.moe.spare_weights import weights_with_spare_slots
 from lightning_megatron.parallel import ParallelLayout, ParallelState
 from lightning_megatron.testing import run_on_ranks
 from moe_utils import global_weights
@@ -110,14 +110,14 @@ def test_echo_layer_equals_unoffloaded_layer_on_four_ranks():
 def _dispatch_case(k, seed):
     ep, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(seed)                       # the same draws on every rank
-    full = torch.randn(E, 3, 2, generator=gen)
+    fulls = [torch.randn(E, 3, 2, generator=gen), torch.randn(E, 4, generator=gen)]
     homes = torch.randint(-1, E, (ep * k,), generator=gen)
-    grad_out = torch.randn(ep, k, 3, 2, generator=gen)
+    grads_out = [torch.randn(ep, E // ep + k, 3, 2, generator=gen), torch.randn(ep, E // ep + k, 4, generator=gen)]
     local = E // ep
-    weight = full[rank * local:(rank + 1) * local].clone().requires_grad_()
-    slots = dispatch_to_spare_slots(weight, homes, dist.group.WORLD, k)
-    (slots * grad_out[rank]).sum().backward()
-    return homes, full, grad_out, slots.detach(), weight.grad
+    weights = [full[rank * local:(rank + 1) * local].clone().requires_grad_() for full in fulls]
+    extended = weights_with_spare_slots(weights, homes, dist.group.WORLD, k)
+    sum((out * g[rank]).sum() for out, g in zip(extended, grads_out)).backward()
+    return homes, fulls, grads_out, [out.detach() for out in extended], [w.grad for w in weights]
 
 
 def _dispatch_cases():
@@ -127,21 +127,24 @@ def _dispatch_cases():
 @pytest.mark.parametrize("world", [2, 4])
 def test_spare_slots_hold_home_weights_and_return_gradients(world):
     results = run_on_ranks(_dispatch_cases, world, timeout=60)
+    local = E // world
     for case in range(len(results[0])):
-        homes, full, grad_out, _, _ = results[0][case]
+        homes, fulls, grads_out, _, _ = results[0][case]
         k = homes.numel() // world
-        want_grad = torch.zeros_like(full)
-        for slot, home in enumerate(homes.tolist()):
-            if home >= 0:
-                want_grad[home] += grad_out[slot // k, slot % k]
-        local = E // world
-        for rank in range(world):
-            _, _, _, slots, grad = results[rank][case]
-            for s in range(k):
-                home = int(homes[rank * k + s])
-                want = full[home] if home >= 0 else torch.zeros_like(full[0])
-                assert torch.equal(slots[s], want), f"world={world} case={case} rank={rank} slot={s}"
-            torch.testing.assert_close(grad, want_grad[rank * local:(rank + 1) * local], atol=1e-6, rtol=1e-6)
+        for full, grad_out, w in zip(fulls, grads_out, range(2)):
+            # home expert e's gradient: its own rows' gradient plus that of every slot copying it
+            want_grad = torch.cat([grad_out[r, :local] for r in range(world)]).clone()
+            for slot, home in enumerate(homes.tolist()):
+                if home >= 0:
+                    want_grad[home] += grad_out[slot // k, local + slot % k]
+            for rank in range(world):
+                _, _, _, extended, grads = results[rank][case]
+                assert torch.equal(extended[w][:local], full[rank * local:(rank + 1) * local])
+                for s in range(k):
+                    home = int(homes[rank * k + s])
+                    want = full[home] if home >= 0 else torch.zeros_like(full[0])
+                    assert torch.equal(extended[w][local + s], want), f"world={world} case={case} rank={rank} slot={s}"
+                torch.testing.assert_close(grads[w], want_grad[rank * local:(rank + 1) * local], atol=1e-6, rtol=1e-6)
 
 
 def test_echo_options_are_checked():
@@ -151,7 +154,7 @@ def test_echo_options_are_checked():
     with pytest.raises(ValueError, match="num_spare_experts_per_ep_rank must be >= 0"):
         MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, num_spare_experts_per_ep_rank=-1)
     with pytest.raises(ValueError, match="spare_homes must have"):
-        dispatch_to_spare_slots(torch.zeros(4, 2), torch.zeros(3, dtype=torch.long), None, 2)
+        weights_with_spare_slots([torch.zeros(4, 2)], torch.zeros(3, dtype=torch.long), None, 2)
 
 
 def test_echo_is_off_on_a_single_expert_rank():

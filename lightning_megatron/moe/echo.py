@@ -30,6 +30,8 @@ the device, the float rounding mode or the reduction order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -44,6 +46,11 @@ __all__ = [
     "interleave_spare_slots",
     "home_expert_of_column",
     "gen_offloading_plan",
+    "plan_token_moves",
+    "token_moves",
+    "reroute_probs",
+    "TokenMoves",
+    "OffloadingPlan",
 ]
 
 
@@ -330,6 +337,22 @@ def apply_offloading_plan(
         ``(map [T, E + S] bool, probs [T, E + S])``: columns ``[0, E)`` home
         experts, ``[E, E + S)`` spare slots.
     """
+    moves = token_moves(map_token_to_expert, count_tokens_offloaded_to_spare, map_home_expert_to_spare)
+    return moves.routing_map, reroute_probs(probs_routing, moves)
+
+
+class TokenMoves(NamedTuple):
+    """The integer part of a reroute: which (token, home expert) pairs go to which spare slot."""
+
+    routing_map: Tensor       # [T, E + S] bool, home columns then spare slots
+    moved: Tensor             # [T, S] bool, token t goes to slot j
+    moved_from_home: Tensor   # [T, E] bool, token t leaves home expert e
+    home_index: Tensor        # [S] int64, slot j's home expert (0 for unused slots, whose column is empty)
+
+
+def token_moves(map_token_to_expert: Tensor, count_tokens_offloaded_to_spare: Tensor,
+                map_home_expert_to_spare: Tensor) -> TokenMoves:
+    """``apply_offloading_plan`` without the probabilities: integers only, no autograd, sync-free."""
     num_tokens, num_experts = map_token_to_expert.shape
     home = home_expert_of_spare(map_home_expert_to_spare)
     active = home >= 0
@@ -341,18 +364,24 @@ def apply_offloading_plan(
     window_end = window_start + count
 
     routing = map_token_to_expert.bool()
-    position_in_expert = routing.long().cumsum(dim=0) - 1  # [T, E] rank of the token among the expert's tokens
-    position = position_in_expert.index_select(1, home_idx)  # [T, S]
-    moved = routing.index_select(1, home_idx) & (position >= window_start) & (position < window_end)  # [T, S]
+    # Position of each token among its home expert's tokens. The scan runs along contiguous
+    # rows ([S, T]): a cumsum over dim 0 of [T, E] takes a slow outer-dimension kernel on GPUs.
+    routing_home = routing.t().index_select(0, home_idx)  # [S, T]
+    position = routing_home.cumsum(dim=1, dtype=torch.int32) - 1
+    moved = (routing_home & (position >= window_start.unsqueeze(1)) & (position < window_end.unsqueeze(1))).t()
 
     moved_from_home = torch.zeros(num_tokens, num_experts, dtype=torch.long, device=routing.device)
     moved_from_home = moved_from_home.index_add_(1, home_idx, moved.long()) > 0  # [T, E]
-
     map_rerouted = torch.cat([routing & ~moved_from_home, moved], dim=1)
+    return TokenMoves(map_rerouted, moved, moved_from_home, home_idx)
+
+
+def reroute_probs(probs_routing: Tensor, moves: TokenMoves) -> Tensor:
+    """``[T, E]`` probs -> ``[T, E + S]``: a moved token's probability follows it to its slot (differentiable)."""
     zero = torch.zeros((), dtype=probs_routing.dtype, device=probs_routing.device)
-    probs_home = torch.where(moved_from_home, zero, probs_routing)
-    probs_spare = torch.where(moved, probs_routing.index_select(1, home_idx), zero)
-    return map_rerouted, torch.cat([probs_home, probs_spare], dim=1)
+    probs_home = torch.where(moves.moved_from_home, zero, probs_routing)
+    probs_spare = torch.where(moves.moved, probs_routing.index_select(1, moves.home_index), zero)
+    return torch.cat([probs_home, probs_spare], dim=1)
 
 
 def interleave_spare_slots(x: Tensor, num_ep_ranks: int, num_spare_experts_per_ep_rank: int) -> Tensor:
@@ -412,6 +441,30 @@ def gen_offloading_plan(
         per-rank send counts depend only on the global counts, so every EP rank
         computes them identically; the rerouted map and probs are this rank's own.
     """
+    plan = plan_token_moves(map_token_to_expert, count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks,
+                            num_spare_experts_per_ep_rank)
+    probs = reroute_probs(probs_routing, plan.moves)
+    return (
+        interleave_spare_slots(plan.moves.routing_map, num_ep_ranks, num_spare_experts_per_ep_rank),
+        interleave_spare_slots(probs, num_ep_ranks, num_spare_experts_per_ep_rank),
+        plan.expert_offloading_map,
+    )
+
+
+class OffloadingPlan(NamedTuple):
+    moves: TokenMoves                 # this rank's token moves (home | spare column order)
+    expert_offloading_map: Tensor     # [E, S] bool, the same on every rank
+
+
+def plan_token_moves(
+    map_token_to_expert: Tensor,
+    count_tokens_per_expert_from_ep_rank: Tensor,
+    ep_rank: Tensor | int,
+    num_ep_ranks: int,
+    num_spare_experts_per_ep_rank: int = 1,
+) -> OffloadingPlan:
+    """Everything of ``gen_offloading_plan`` but the probabilities: integer tensors in and out,
+    no autograd and no host sync, so it can be replayed from one CUDA graph."""
     count_tokens_from_home_expert_to_spare_expert, _, _ = gen_assignment(
         count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks, num_spare_experts_per_ep_rank
     )
@@ -422,12 +475,5 @@ def gen_offloading_plan(
     )
     second_pass, _ = depth_first_allocation(count_after_first, capacity_remaining)
     count_tokens_offloaded_to_spare = _select_row(first_pass + second_pass, ep_rank)
-
-    routing_map, probs = apply_offloading_plan(
-        map_token_to_expert, probs_routing, count_tokens_offloaded_to_spare, expert_offloading_map
-    )
-    return (
-        interleave_spare_slots(routing_map, num_ep_ranks, num_spare_experts_per_ep_rank),
-        interleave_spare_slots(probs, num_ep_ranks, num_spare_experts_per_ep_rank),
-        expert_offloading_map,
-    )
+    moves = token_moves(map_token_to_expert, count_tokens_offloaded_to_spare, expert_offloading_map)
+    return OffloadingPlan(moves, expert_offloading_map)

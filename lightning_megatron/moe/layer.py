@@ -38,11 +38,12 @@ from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, sca
 from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, group_rank, group_size
 from .dispatcher import DISPATCHERS, TokenDispatcher, build_dispatcher
-from .echo import gen_offloading_plan, home_expert_of_spare
+from .echo import TokenMoves, home_expert_of_spare, interleave_spare_slots, plan_token_moves, reroute_probs
+from .graph_replay import GraphReplay
 from .experts import ACTIVATIONS, GroupedMLP, SharedExpertMLP
 from .groups import MoEGroups
 from .router import TopKRouter
-from .spare_weights import dispatch_to_spare_slots
+from .spare_weights import weights_with_spare_slots
 
 
 @dataclasses.dataclass
@@ -96,6 +97,16 @@ class MoEConfig:
         return {name: getattr(self, name) for name in names}
 
 
+def _integer_plan(routing_map: Tensor, counts: Tensor, *, source: int, num_ep_ranks: int,
+                  k: int) -> Tuple[Tensor, ...]:
+    """ECHO's plan without the probabilities: ``(rank-major routing map, moved, moved_from_home,
+    home_index, spare_homes)``; integers only, so it can be replayed from a CUDA graph."""
+    plan = plan_token_moves(routing_map, counts, source, num_ep_ranks, k)
+    m = plan.moves
+    return (interleave_spare_slots(m.routing_map, num_ep_ranks, k), m.moved, m.moved_from_home, m.home_index,
+            home_expert_of_spare(plan.expert_offloading_map))
+
+
 class MoELayer(nn.Module):
     """A mixture-of-experts MLP block. ``forward(x)`` keeps ``x``'s shape and layout.
 
@@ -133,6 +144,7 @@ class MoELayer(nn.Module):
         num_home = divide(config.num_experts, ep_size, "num_experts", by="expert-parallel size (ep)")
         # ECHO needs another EP rank to offload to; at ep=1 it would only add empty slots.
         self.num_spare = config.num_spare_experts_per_ep_rank if ep_size > 1 else 0
+        self._plan = GraphReplay(_integer_plan)   # on GPUs the plan's ~80 small kernels replay as one graph
         # With spare slots the dispatcher sees E + ep*k rank-major columns: E/ep home + k spare per rank.
         self.dispatcher: TokenDispatcher = build_dispatcher(config.dispatcher, config.num_experts + ep_size * self.num_spare,
                                                             config.topk, groups)
@@ -173,9 +185,10 @@ class MoELayer(nn.Module):
         g, d = self.groups, self.dispatcher
         counts = all_gather_stack(all_gather_stack(routing_map.sum(dim=0), g.ep), g.etp)
         counts = counts.view(-1, self.config.num_experts)                   # [etp·ep, E], row q·ep + p
-        routing_map, probs, offloading_map = gen_offloading_plan(
-            routing_map, probs, counts, d.etp_rank * d.ep_size + d.ep_rank, d.ep_size, self.num_spare)
-        return probs, routing_map, home_expert_of_spare(offloading_map)
+        routing_map, moved, moved_from_home, home_index, spare_homes = self._plan(
+            routing_map, counts, source=d.etp_rank * d.ep_size + d.ep_rank, num_ep_ranks=d.ep_size, k=self.num_spare)
+        probs = reroute_probs(probs, TokenMoves(None, moved, moved_from_home, home_index))
+        return interleave_spare_slots(probs, d.ep_size, self.num_spare), routing_map, spare_homes
 
     def preprocess(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
                    spare_homes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -193,10 +206,8 @@ class MoELayer(nn.Module):
             return self.experts(tokens, tokens_per_expert, meta.rows_per_expert)
         if meta.spare_homes is None:
             raise RuntimeError("This MoELayer has ECHO spare slots: pass offload()'s spare_homes to preprocess().")
-        ep, k = self.groups.ep, self.num_spare
-        w1, w2 = self.experts.weight1, self.experts.weight2
-        weights = (torch.cat([w1, dispatch_to_spare_slots(w1, meta.spare_homes, ep, k)]),
-                   torch.cat([w2, dispatch_to_spare_slots(w2, meta.spare_homes, ep, k)]))
+        weights = weights_with_spare_slots((self.experts.weight1, self.experts.weight2), meta.spare_homes,
+                                           self.groups.ep, self.num_spare)
         return self.experts(tokens, tokens_per_expert, meta.rows_per_expert, weights=weights)
 
     def combine(self, expert_output: Tensor) -> Tensor:

@@ -10,48 +10,87 @@ holding its own expert's weights where it is the slot's home rank and zeros else
 receiver sums the ``R`` blocks of each slot (one non-zero block plus zeros is exact). The
 price of static shapes is ``R·k`` blocks sent per rank where ``k`` carry data.
 
-Autograd does the gradient return: the all-to-all's backward sends each slot's weight
-gradient back to every rank, the mask keeps it only on the home rank, and ``index_select``'s
-backward adds it into the home expert's gradient, next to the gradient of the tokens the home
-expert computed itself. Expert tensor parallelism needs nothing extra: the exchange runs inside
+The gradient return is the reverse all-to-all: each slot's weight gradient goes back to every
+rank, the mask keeps it only on the home rank, and it is added into the home expert's gradient,
+next to the gradient of the tokens the home expert computed itself. All weights of a layer
+(``weight1``, ``weight2``) travel in one all-to-all each way, and the backward writes each home
+gradient once (a hand-written autograd function: autograd's own would materialize a zero
+gradient per weight and add it). Expert tensor parallelism needs nothing extra: the exchange runs inside
 one etp slice (the ep group), so slot copies carry the same slice as their home.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import all_to_all, group_rank, group_size
+from .comm import _a2a, group_rank, group_size
 
 
-def dispatch_to_spare_slots(weight: Tensor, spare_homes: Tensor, group: Optional[dist.ProcessGroup],
-                            num_spare_experts_per_ep_rank: int) -> Tensor:
-    """Weights of this rank's ``k`` spare slots, gathered from their home experts' ranks.
+def _slot_sources(spare_homes: Tensor, num_local: int, rank: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``(mine [S] bool, local_index [S])``: slots this rank is the home of, and which local expert."""
+    homes = spare_homes.to(device=device, dtype=torch.long)
+    mine = (homes >= 0) & (homes.clamp(min=0) // num_local == rank)
+    return mine, homes.clamp(min=0) % num_local
+
+
+class _WithSpareSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spare_homes: Tensor, group: Optional[dist.ProcessGroup], k: int, *weights: Tensor):
+        num_ranks, rank = group_size(group), group_rank(group)
+        num_local = weights[0].shape[0]
+        mine, local_index = _slot_sources(spare_homes, num_local, rank, weights[0].device)
+        blocks = torch.cat([torch.where(mine.view((-1,) + (1,) * (w.dim() - 1)), w.index_select(0, local_index),
+                                        w.new_zeros(())).flatten(1) for w in weights], dim=1)     # [S, n]
+        if num_ranks > 1:
+            blocks = _a2a(blocks, group, [k] * num_ranks, [k] * num_ranks)     # k blocks to/from every rank
+        spare = blocks.view(num_ranks, k, -1).sum(dim=0)                         # one block non-zero per slot
+        sizes = [w[0].numel() for w in weights]
+        ctx.save_for_backward(mine, local_index)
+        ctx.group, ctx.k, ctx.num_ranks, ctx.sizes = group, k, num_ranks, sizes
+        return tuple(torch.cat([w, part.view((k,) + tuple(w.shape[1:]))])
+                     for w, part in zip(weights, spare.split(sizes, dim=1)))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        mine, local_index = ctx.saved_tensors
+        k, num_ranks = ctx.k, ctx.num_ranks
+        num_local = grads[0].shape[0] - k
+        spare = torch.cat([g[num_local:].reshape(k, -1) for g in grads], dim=1)   # [k, n] this rank's slots
+        back = spare.unsqueeze(0).expand(num_ranks, -1, -1).reshape(num_ranks * k, -1)
+        if num_ranks > 1:
+            back = _a2a(back, ctx.group, [k] * num_ranks, [k] * num_ranks)      # [S, n] grads of what I sent
+        back = torch.where(mine.unsqueeze(1), back, back.new_zeros(()))
+        out = []
+        for g, part in zip(grads, back.split(ctx.sizes, dim=1)):
+            home = g[:num_local].clone()
+            out.append(home.index_add_(0, local_index, part.view((-1,) + tuple(g.shape[1:]))))
+        return (None, None, None, *out)
+
+
+def weights_with_spare_slots(weights: Sequence[Tensor], spare_homes: Tensor, group: Optional[dist.ProcessGroup],
+                             num_spare_experts_per_ep_rank: int) -> Tuple[Tensor, ...]:
+    """Each weight extended by this rank's ``k`` spare slots, copied from their home experts' ranks.
 
     Args:
-        weight: ``[E_local, ...]`` this rank's home experts (a parameter; gradients flow back).
-        spare_homes: ``[R·k]`` int64 global home expert of every spare slot of the EP group,
-            in slot order, ``-1`` for unused slots; identical on every EP rank.
+        weights: ``[E_local, ...]`` tensors of this rank's home experts (parameters; gradients
+            flow back, spare-slot gradients included).
+        spare_homes: ``[R·k]`` int64 global home expert of every spare slot of the EP group, in
+            slot order, ``-1`` for unused slots; identical on every EP rank.
         group: the expert-parallel group (``None``: a single EP rank).
         num_spare_experts_per_ep_rank: ``k``.
 
     Returns:
-        ``[k, ...]``: slot ``s`` of this rank holds its home expert's weights (zeros if unused).
+        ``[E_local + k, ...]`` per weight: the home experts, then slot ``s`` of this rank holding
+        its home expert's weights (zeros if unused).
     """
-    num_ranks, rank, k = group_size(group), group_rank(group), num_spare_experts_per_ep_rank
-    num_local = weight.shape[0]
+    num_ranks, k = group_size(group), num_spare_experts_per_ep_rank
     if spare_homes.shape != (num_ranks * k,):
         raise ValueError(f"spare_homes must have num_ep_ranks * num_spare_experts_per_ep_rank = {num_ranks * k} "
                          f"entries, got shape {tuple(spare_homes.shape)}.")
-    homes = spare_homes.to(device=weight.device, dtype=torch.long)
-    mine = (homes >= 0) & (homes.clamp(min=0) // num_local == rank)           # [S] this rank is the home
-    local_index = homes.clamp(min=0) % num_local
-    mask = mine.view((-1,) + (1,) * (weight.dim() - 1))
-    blocks = torch.where(mask, weight.index_select(0, local_index), weight.new_zeros(()))   # [S, ...]
-    splits = [k] * num_ranks                                                 # k blocks to/from every rank
-    received = all_to_all(blocks, group, splits, splits)                     # [R (source), k, ...] flattened
-    return received.view((num_ranks, k) + tuple(weight.shape[1:])).sum(dim=0)
+    if len({w.shape[0] for w in weights}) != 1:
+        raise ValueError(f"every weight must hold the same number of local experts, got {[w.shape for w in weights]}.")
+    return _WithSpareSlots.apply(spare_homes, group, k, *weights)
