@@ -85,3 +85,45 @@ def test_layer_phases_resume_from_saved_metadata():
     layer.dispatcher.meta.load_tensors(saved)                      # the graph replay's outputs
     out = layer.combine(layer.experts_compute(*layer.dispatch(tokens, row_probs)))
     torch.testing.assert_close(out.view_as(x), expected)
+
+
+def test_per_token_path_equals_the_general_path_in_values_and_gradients():
+    """The dropless fast path (gathers instead of index_add) gives the general path's rows, outputs
+    and gradients of tokens, rows and probabilities."""
+    from lightning_megatron.moe.permute import permute_per_token, unpermute_per_token
+
+    for topk in (1, 2, 3):
+        routing_map = _routing(20, 6, topk, seed=10 + topk)
+        gen = torch.Generator().manual_seed(topk)
+        x0, probs0 = torch.randn(20, 5, generator=gen), torch.rand(20, 6, generator=gen) * routing_map
+        g_rows, g_out = torch.randn(20 * topk, 5, generator=gen), torch.randn(20, 5, generator=gen)
+        results = []
+        for fast in (False, True):
+            x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+            if fast:
+                rows, slots, order = permute_per_token(x, routing_map, topk)
+            else:
+                rows, slots = permute(x, routing_map, 20 * topk)
+            mid = rows * 2.0 + 1.0
+            out = (unpermute_per_token(mid, order, 20, permute_probs(probs, slots)) if fast
+                   else unpermute(mid, slots, 20, permute_probs(probs, slots)))
+            ((rows * g_rows).sum() + (out * g_out).sum()).backward()
+            results.append((rows.detach(), slots, out.detach(), x.grad, probs.grad))
+        for plain, fast in zip(*results):
+            torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
+        _, slots, _, _, _ = results[1]
+        order = permute_per_token(x0, routing_map, topk)[2]
+        tokens = (slots % 20)[order]
+        assert torch.equal(tokens, torch.arange(20).repeat_interleave(topk))     # rows listed token by token
+
+
+def test_gather_permutation_backward_is_the_inverse_gather():
+    from lightning_megatron.moe.permute import gather_permutation
+
+    index = torch.randperm(9, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(9, 3, requires_grad=True)
+    y = gather_permutation(x, index)
+    g = torch.randn(9, 3)
+    y.backward(g)
+    assert torch.equal(y, x.detach()[index])
+    assert torch.equal(x.grad, torch.zeros(9, 3).index_add(0, index, g))

@@ -30,7 +30,10 @@ from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, red
 from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, all_to_all, gather_rows, group_rank, group_size, reduce_scatter_rows
 from .groups import MoEGroups
-from .permute import chunk_sort_index, inverse_permutation, permute, permute_probs, unpermute
+from .permute import (
+    chunk_sort_index, gather_permutation, inverse_permutation, permute, permute_per_token, permute_probs, unpermute,
+    unpermute_per_token,
+)
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -42,7 +45,8 @@ class DispatchMetadata:
     Integers are static for a given input shape; tensors stay on the device.
     """
 
-    TENSOR_FIELDS = ("routing_map", "slots", "counts", "tokens_per_expert", "sort_index", "spare_homes")
+    TENSOR_FIELDS = ("routing_map", "slots", "counts", "tokens_per_expert", "sort_index", "spare_homes",
+                     "token_order")
 
     num_tokens: int = 0                       # tokens routed on this rank
     num_out: int = 0                          # rows permuted on this rank
@@ -57,6 +61,7 @@ class DispatchMetadata:
     sort_index: Optional[Tensor] = None       # received rows -> expert-major order
     splits: Optional[Dict[str, List[int]]] = None  # host row counts of the collectives
     spare_homes: Optional[Tensor] = None      # ECHO: [ep·k] home expert of each spare slot (-1 unused)
+    token_order: Optional[Tensor] = None      # dropless top-k: the T·k rows listed token by token
 
     def tensors(self) -> Dict[str, Tensor]:
         """The tensor fields that are set (what a partial CUDA graph must output)."""
@@ -123,9 +128,13 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                    dropless: bool = True) -> Tuple[Tensor, Tensor]:
         num_tokens = hidden.shape[0]
         num_out = self._num_routed(routing_map, num_tokens, capacity, dropless, self.num_experts, 1)
-        rows, slots = permute(hidden, routing_map, num_out)
+        token_order = None
+        if capacity is None and dropless and num_out == num_tokens * self.topk:   # exactly k rows per token
+            rows, slots, token_order = permute_per_token(hidden, routing_map, self.topk)
+        else:
+            rows, slots = permute(hidden, routing_map, num_out)
         meta = DispatchMetadata(num_tokens=num_tokens, num_out=num_out, capacity=capacity, dropless=dropless,
-                                dtype=hidden.dtype, routing_map=routing_map, slots=slots)
+                                dtype=hidden.dtype, routing_map=routing_map, slots=slots, token_order=token_order)
         sources = self.ep_size * self.etp_size
         if capacity is not None:
             meta.rows_per_expert = sources * capacity
@@ -164,7 +173,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         else:
             chunks = m.counts[:, :, self.local_experts].reshape(sources, self.num_local_experts)
             m.sort_index = chunk_sort_index(chunks, sum(m.splits["gathered"]))
-            x = x.index_select(0, m.sort_index)
+            x = gather_permutation(x, m.sort_index)
         return x, m.tokens_per_expert
 
     def combine(self, expert_output: Tensor) -> Tensor:
@@ -175,10 +184,13 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             if m.capacity is not None:
                 y = y.view(self.num_local_experts, sources, m.capacity, -1).transpose(0, 1).reshape(y.shape)
             else:
-                y = y.index_select(0, inverse_permutation(m.sort_index))
+                y = gather_permutation(y, inverse_permutation(m.sort_index), m.sort_index)
             y = reduce_scatter_rows(y, g.etp, m.splits["gathered"])
             y = all_to_all(y, g.ep, m.splits["send"], m.splits["recv"])
-        out = unpermute(y, m.slots, m.num_tokens, self._row_probs, out_dtype=m.dtype)
+        if m.token_order is not None:
+            out = unpermute_per_token(y, m.token_order, m.num_tokens, self._row_probs, out_dtype=m.dtype)
+        else:
+            out = unpermute(y, m.slots, m.num_tokens, self._row_probs, out_dtype=m.dtype)
         self._row_probs = None
         return out
 

@@ -77,3 +77,67 @@ def chunk_sort_index(counts: Tensor, total: int) -> Tensor:
 def inverse_permutation(index: Tensor) -> Tensor:
     """``inv`` with ``inv[index[j]] = j``."""
     return torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+
+
+# --- the dropless fast path: every token has exactly k rows -------------------------------------------
+#
+# ``index_select``'s backward (and ``unpermute``'s forward) add rows into tokens with ``index_add``:
+# atomics, slow in bfloat16 on GPUs (1.8 ms of a 9 ms MoE layer on an H200) and order-dependent.
+# When every token has exactly ``k`` rows, the rows sorted by token (``token_order``) make both a
+# gather followed by a sum over ``k``: no atomics, the same sum order every time.
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens: Tensor, source: Tensor, token_order: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(token_order)
+        ctx.k, ctx.num_tokens = k, tokens.shape[0]
+        return tokens.index_select(0, source)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (token_order,) = ctx.saved_tensors
+        rows = grad.index_select(0, token_order)
+        return rows.view((ctx.num_tokens, ctx.k) + tuple(grad.shape[1:])).sum(dim=1), None, None, None
+
+
+class _GatherPermutation(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index``: the backward is the gather by its inverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def gather_permutation(x: Tensor, index: Tensor, inverse: Optional[Tensor] = None) -> Tensor:
+    """``x.index_select(0, index)`` where ``index`` permutes the rows, with a gather as backward."""
+    return _GatherPermutation.apply(x, index, inverse_permutation(index) if inverse is None else inverse)
+
+
+def permute_per_token(tokens: Tensor, routing_map: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``permute`` when every token is routed to exactly ``k`` experts (dropless top-k).
+
+    Returns ``(rows, slots, token_order)``; ``token_order`` lists the ``T·k`` rows token by token
+    (experts ascending within a token), which ``unpermute_per_token`` and the backward use.
+    """
+    num_tokens = routing_map.shape[0]
+    slots = routed_slots(routing_map, num_tokens * k)
+    source = slots % num_tokens
+    token_order = torch.argsort(source, stable=True)
+    return _PermuteTokens.apply(tokens, source, token_order, k), slots, token_order
+
+
+def unpermute_per_token(rows: Tensor, token_order: Tensor, num_tokens: int, probs: Optional[Tensor] = None,
+                        out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``unpermute`` for rows from ``permute_per_token``: each token sums its ``k`` rows in order."""
+    if probs is not None:
+        rows = rows.to(torch.promote_types(rows.dtype, probs.dtype)) * probs.unsqueeze(-1)
+    k = rows.shape[0] // num_tokens
+    out = gather_permutation(rows, token_order).view((num_tokens, k) + tuple(rows.shape[1:])).sum(dim=1)
+    return out if out_dtype is None else out.to(out_dtype)
