@@ -35,10 +35,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
-from .checkpoint import is_checkpoint, load_rank_state, load_sharded, save_sharded
+from .checkpoint import load_rank_state, load_sharded, save_sharded
 from .context_parallel import split_for_context_parallel
-from .distributed import (DataParallelGrads, DistributedOptimizer, clip_grad_norm, default_bucket_size,
-                          finalize_model_grads, full_state_dict, load_full_state_dict, split_into_microbatches)
+from .distributed import (DataParallelGrads, DistributedOptimizer, FullOptimizerView, clip_grad_norm, default_bucket_size,
+                          finalize_model_grads, split_into_microbatches)
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
 from .moe import set_aux_loss_scale, update_expert_biases
@@ -152,7 +152,7 @@ class MegatronStrategy(ParallelStrategy):
         self.overlap_param_gather = overlap_param_gather
         self.grads: Optional[DataParallelGrads] = None                  # gradient buffers, when in use
         self.distributed_optimizer: Optional[DistributedOptimizer] = None
-        self._final_optimizer_states: Dict[int, Dict[str, Any]] = {}    # unsharded at the end of fit
+        self._final_optimizer_states: Dict[int, FullOptimizerView] = {}    # gathered at the end of fit
         self._layout: Optional[Dict[str, Any]] = None                   # sizes, for checkpoints
         self.order = order
         self.sequence_parallel = sequence_parallel
@@ -389,8 +389,9 @@ class MegatronStrategy(ParallelStrategy):
         ``trainer.save_checkpoint`` after ``fit``."""
         self.finish_param_sync()
         if self.distributed_optimizer is not None:
-            self._final_optimizer_states = {id(opt): full_state_dict(self.distributed_optimizer, opt)
-                                            for opt in self.distributed_optimizer.optimizers}
+            self._final_optimizer_states = {
+                id(opt): FullOptimizerView.gather(self.distributed_optimizer, opt, keep_optimizer=False)
+                for opt in self.distributed_optimizer.optimizers}
 
     # -- the training step -----------------------------------------------------------------------------
 
@@ -700,14 +701,9 @@ class MegatronStrategy(ParallelStrategy):
         """Sharded loading reads straight into the parameters and optimizers: they must exist."""
         return True
 
-    def _sharded_checkpoints(self) -> bool:
-        return not self.use_distributed_optimizer
-
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         self.finish_param_sync()
-        if self._sharded_checkpoints():
-            return {}   # save_checkpoint writes the parameters shard by shard
-        return super().lightning_module_state_dict()
+        return {}   # save_checkpoint writes the parameters shard by shard
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if checkpoint.get(_SHARDED_KEY):
@@ -717,72 +713,32 @@ class MegatronStrategy(ParallelStrategy):
             self.distributed_optimizer.reload_main_params()
 
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
-        """Under the distributed optimizer: the whole (unsharded) state, gathered over data parallelism,
-        so that every rank's file can resume at any DP size."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self._sharded_checkpoints():
-            return {}   # save_checkpoint writes the optimizer state shard by shard
-        if self.distributed_optimizer is not None and optimizer in self.distributed_optimizer.optimizers:
-            return full_state_dict(self.distributed_optimizer, optimizer)
-        if id(optimizer) in self._final_optimizer_states:
-            return self._final_optimizer_states[id(optimizer)]
-        return super().optimizer_state(optimizer)
+        return {}   # save_checkpoint writes the optimizer state shard by shard
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if checkpoint.get(_SHARDED_KEY):
-            return
-        if self.distributed_optimizer is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_full_state_dict(self.distributed_optimizer, getattr(optimizer, "_optimizer", optimizer), state)
+        if not checkpoint.get(_SHARDED_KEY):
+            raise ValueError("the megatron strategy loads its own sharded checkpoint folders (load_checkpoint) only.")
+        # load_checkpoint already read every optimizer's state into place
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._sharded_checkpoints():
-            path = self.broadcast(str(filepath))
-            checkpoint.pop("state_dict", None)
-            checkpoint.pop("optimizer_states", None)
-            save_sharded(path, [self.lightning_module], self._raw_optimizers(), extra_state=checkpoint,
-                         rank_state=capture_rng_state(self._state().rng_tracker))
-            return
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier()
-        own = {"state_dict": checkpoint.pop("state_dict"),
-               "optimizer_states": checkpoint.pop("optimizer_states", [])}
-        torch.save(own, path / f"rank_{self.global_rank:05d}.pt")
-        if self.is_global_zero:
-            torch.save({**checkpoint, _LAYOUT_KEY: self._layout_record()}, path / "meta.pt")
-        self.barrier()
+        """A sharded folder written by every rank, with or without the distributed optimizer; it resumes at
+        any layout."""
+        path = self.broadcast(str(filepath))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        save_sharded(path, [self.lightning_module], self._checkpoint_optimizers(saving=True), extra_state=checkpoint,
+                     rank_state=capture_rng_state(self._state().rng_tracker))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Each rank reads the file of a rank that held the same model-parallel shard: its own, or,
-        when only the data-parallel size changed, any data-parallel replica's (every rank's file
-        holds its shard's whole optimizer state, gathered under the distributed optimizer)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if is_checkpoint(str(path)):
-            return self._load_sharded(str(path))
-        checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
-        saved = checkpoint.pop(_LAYOUT_KEY, None)
-        rank = self.global_rank if saved is None else _source_rank(saved, self._layout_record(), self.global_rank)
-        own = path / f"rank_{rank:05d}.pt"
-        if not own.is_file():
-            raise FileNotFoundError(f"{own} is missing: this checkpoint was saved with another world size or "
-                                    "layout, which this per-rank format cannot reshard.")
-        checkpoint.update(torch.load(own, map_location="cpu", weights_only=False))
-        return checkpoint
+        """A sharded folder (from any layout, with or without the distributed optimizer), read into place."""
+        return self._load_sharded(str(self.broadcast(str(checkpoint_path))))
 
     def _load_sharded(self, path: str) -> Dict[str, Any]:
         """Model and (when fitting) optimizer states read shard by shard into this layout, then the
         trainer's own state; RNG streams come back when the layout is the one that saved them."""
         trainer = self.lightning_module.trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if self.use_distributed_optimizer:
-            raise ValueError("this checkpoint is sharded (saved without the distributed optimizer); resume it with "
-                             "use_distributed_optimizer=False, or save it again from such a run.")
-        extra = load_sharded(path, [self.lightning_module], self._raw_optimizers() if fitting else None,
+        extra = load_sharded(path, [self.lightning_module], self._checkpoint_optimizers(saving=False) if fitting else None,
                              strict=self.lightning_module.strict_loading) or {}
         rng = load_rank_state(path)
         if rng is not None:
@@ -796,10 +752,21 @@ class MegatronStrategy(ParallelStrategy):
     def _raw_optimizers(self) -> List[Any]:
         return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
 
-    def _layout_record(self) -> Dict[str, Any]:
-        if self._layout is None:
-            raise RuntimeError("the megatron strategy has no layout yet (before setup_environment).")
-        return dict(self._layout)
+    def _checkpoint_optimizers(self, saving: bool) -> List[Any]:
+        """What the sharded checkpoint reads and writes: each optimizer as the plain optimizer over the
+        model's parameters (under the distributed optimizer a view gathered over data parallelism), so
+        one format reshards TP/PP/EP/DP with or without the distributed optimizer."""
+        out = []
+        for optimizer in self._raw_optimizers():
+            dist_opt = self.distributed_optimizer
+            if dist_opt is not None and optimizer in dist_opt.optimizers:
+                out.append(FullOptimizerView.gather(dist_opt, optimizer) if saving
+                           else FullOptimizerView.to_load(dist_opt, optimizer))
+            elif saving and id(optimizer) in self._final_optimizer_states:   # after fit: gathered at its end
+                out.append(self._final_optimizer_states[id(optimizer)])
+            else:
+                out.append(optimizer)
+        return out
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -825,28 +792,7 @@ class MegatronStrategy(ParallelStrategy):
                                    description="Megatron-style tensor/pipeline/data/context/expert parallelism")
 
 
-_LAYOUT_KEY = "megatron_layout"
 _SHARDED_KEY = "megatron_sharded"
-_MODEL_PARALLEL = ("tp", "pp", "ep", "etp")
-
-
-def _source_rank(saved: Mapping[str, Any], current: Mapping[str, Any], rank: int) -> int:
-    """The saved rank whose file holds what ``rank`` of the current layout needs: itself when the layout
-    is unchanged, else the first saved rank with the same model-parallel coordinates (dp and cp
-    replicas hold the same parameters and, in these files, the same optimizer state)."""
-    if dict(saved) == dict(current):
-        return rank
-    if any(saved[k] != current[k] for k in _MODEL_PARALLEL + ("vpp",)):
-        raise ValueError(
-            f"this checkpoint was saved with tp={saved['tp']}, pp={saved['pp']}, ep={saved['ep']}, "
-            f"etp={saved['etp']}, vpp={saved['vpp']}; this run has tp={current['tp']}, pp={current['pp']}, "
-            f"ep={current['ep']}, etp={current['etp']}, vpp={current['vpp']}. Per-rank checkpoints reshard only "
-            "the data-parallel (and context-parallel) size: resume with the saved model-parallel sizes.")
-    sizes = {k: saved[k] for k in ("world_size", "tp", "pp", "cp", "ep", "etp", "order")}
-    before, now = ParallelLayout(**sizes), ParallelLayout(**{k: current[k] for k in sizes})
-    want = {k: now.coords(rank)[k] for k in _MODEL_PARALLEL}
-    return next(r for r in range(before.world_size)
-                if all(before.coords(r)[k] == want[k] for k in _MODEL_PARALLEL))
 
 
 def _extract_loss(out: Any) -> torch.Tensor:

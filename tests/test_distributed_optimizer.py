@@ -1,6 +1,7 @@
 """The distributed optimizer (ZeRO-1) and bucketed, overlapped gradient reduction through the Trainer:
 the same losses as plain data parallelism (AdamW with parameter groups, an LR scheduler, clipping),
-optimizer state per rank falling as 1/DP, and a DP4 checkpoint resumed at DP2."""
+optimizer state per rank falling as 1/DP, and checkpoints that resume at other DP/TP sizes, with or
+without the distributed optimizer."""
 
 import os
 
@@ -78,6 +79,7 @@ def world4(tmp_path_factory):
     plan += [(f"{name}/{mode}", {**base, **extra}, MOE) for name, base in (("moe-edp4", MOE_EDP4),
              ("moe-edp1", MOE_EDP1)) for mode, extra in (("plain", {}), ("overlap", OVERLAP))]
     plan.append(("save", OVERLAP, dict(max_steps=2, dataset_size=16, checkpoint_to=folder)))
+    plan.append(("save-tp2", {**TP2SP, **DIST}, dict(max_steps=2, dataset_size=16, checkpoint_to=folder + "-tp2")))
     return run_on_ranks(_runs, 4, plan, timeout=240), folder
 
 
@@ -95,7 +97,11 @@ def world2(world4, tmp_path_factory):
             # the reference: plain DP2 saving and resuming the same way (Lightning restarts the epoch)
             ("first/plain", {}, dict(short, checkpoint_to=dp2_folder)),
             ("resumed/plain", {}, dict(short, max_steps=4, resume_from=dp2_folder)),
-            ("resumed/dp4", DIST, dict(short, max_steps=4, resume_from=dp4_folder))]
+            ("resumed/dp4", DIST, dict(short, max_steps=4, resume_from=dp4_folder)),
+            # one checkpoint format with and without the distributed optimizer, resharding TP too
+            ("resumed/dp4-plain", {}, dict(short, max_steps=4, resume_from=dp4_folder)),
+            ("resumed/tp2dp2-dp2", DIST, dict(short, max_steps=4, resume_from=dp4_folder + "-tp2")),
+            ("resumed/plain-dist", DIST, dict(short, max_steps=4, resume_from=dp2_folder))]
     return run_on_ranks(_runs, 2, plan, timeout=240)
 
 
@@ -163,6 +169,17 @@ def test_resume_dp4_checkpoint_into_dp2_continues_identically(world4, world2):
         resumed = rank_out["resumed/dp4"]["losses"]
         assert len(resumed) == 2
         _close(resumed, rank_out["resumed/plain"]["losses"])
+
+
+def test_distributed_optimizer_checkpoints_reshard_tp_and_load_without_it(world4, world2):
+    """DP4 (sharded optimizer) → plain DP2; TP2·DP2 (sharded) → TP1·DP2 (sharded); plain DP2 → sharded
+    DP2: the same continuation as the plain DP2 save and resume."""
+    out, _ = world4
+    _close(out[0]["save-tp2"]["losses"], out[0]["save"]["losses"])
+    for rank_out in world2:
+        for name in ("resumed/dp4-plain", "resumed/tp2dp2-dp2", "resumed/plain-dist"):
+            assert len(rank_out[name]["losses"]) == 2, name
+            _close(rank_out[name]["losses"], rank_out["resumed/plain"]["losses"], name)
 
 
 # -- in one process ------------------------------------------------------------------------------
@@ -255,3 +272,35 @@ def test_full_state_dict_is_torch_format_and_round_trips_with_float32_masters():
     plain = torch.optim.AdamW(nn.Linear(6, 5).parameters(), lr=0.5)
     plain.load_state_dict(full)
     assert plain.param_groups[0]["lr"] == 0.1
+
+
+def test_sharded_checkpoint_of_the_distributed_optimizer_keeps_float32_masters(tmp_path):
+    """The checkpoint writer sees the distributed optimizer as the plain optimizer over the model (state
+    gathered over DP) plus the float32 masters; reading it back restores masters, moments, hyper-parameters
+    and the next step exactly."""
+    from lightning_megatron.checkpoint import load_sharded, save_sharded
+    from lightning_megatron.distributed import FullOptimizerView
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    grads, dist_opt = _sharded(model, optimizer, grad_reduce_in_fp32=True)
+    _train(model, optimizer, dist_opt, grads)
+    view = FullOptimizerView.gather(dist_opt, optimizer)
+    assert view.state[model.weight]["main_param"].dtype == torch.float32
+    save_sharded(str(tmp_path / "ckpt"), [model], [view])
+
+    torch.manual_seed(1)
+    other = nn.Linear(6, 5).to(torch.bfloat16)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.5)
+    other_grads, other_dist = _sharded(other, other_opt, grad_reduce_in_fp32=True)
+    load_sharded(str(tmp_path / "ckpt"), [other], [FullOptimizerView.to_load(other_dist, other_opt)])
+    assert other_opt.param_groups[0]["lr"] == 0.1
+    for mine, theirs in zip(dist_opt.shards, other_dist.shards):
+        assert torch.equal(mine.main, theirs.main)                       # masters, not the bf16 rounding
+    for p, q in zip(optimizer.param_groups[0]["params"], other_opt.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], other_opt.state[q][key])
+    _train(model, optimizer, dist_opt, grads, steps=1)
+    _train(other, other_opt, other_dist, other_grads, steps=1)
+    assert torch.equal(model.weight, other.weight)

@@ -7,9 +7,9 @@ from .distributed_optimizer import DistributedOptimizer, check_shardable
 from .finalize import finalize_model_grads
 from .grad_buffer import BucketSpec, GradBuffer, bucket_layout
 from .microbatches import split_into_microbatches
-from .optimizer_state import full_state_dict, load_full_state_dict
+from .optimizer_state import FullOptimizerView, full_state_dict, load_full_state_dict
 from .param_buffer import ParamBuffer, ParamGather
 
-__all__ = ["BucketSpec", "DataParallelGrads", "DistributedOptimizer", "GradBuffer", "ParamBuffer", "ParamGather",
+__all__ = ["BucketSpec", "FullOptimizerView", "DataParallelGrads", "DistributedOptimizer", "GradBuffer", "ParamBuffer", "ParamGather",
            "bucket_layout", "check_shardable", "clip_grad_norm", "default_bucket_size", "finalize_model_grads",
            "full_state_dict", "global_grad_norm", "load_full_state_dict", "split_into_microbatches"]

@@ -153,3 +153,56 @@ def _all_gather_object(obj: Any, buffer: Any) -> List[Any]:
     out: List[Any] = [None] * buffer.group_size
     dist.all_gather_object(out, obj, group=buffer.group)
     return out
+
+
+MAIN_PARAM_KEY = "main_param"
+
+
+class FullOptimizerView:
+    """One optimizer of the distributed optimizer, seen as the plain optimizer it stands for.
+
+    ``param_groups`` list the model's parameters and ``state`` is keyed by them, whole over data
+    parallelism (host memory), with the float32 masters of low-precision parameters as one more
+    per-parameter entry (``"main_param"``). The sharded checkpoint writer and reader, which reshard
+    TP/PP/EP, take it like any ``torch.optim`` optimizer; ``load_state_dict`` keeps this rank's pieces.
+    """
+
+    def __init__(self, full: Dict[str, Any], originals: List[torch.Tensor],
+                 dist_opt: Optional[DistributedOptimizer] = None, optimizer: Optional[torch.optim.Optimizer] = None):
+        self._originals, self._dist_opt, self._optimizer = originals, dist_opt, optimizer
+        self._groups = full["param_groups"]
+        self.param_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [originals[i] for i in g["params"]]} for g in self._groups]
+        self.state: Dict[torch.Tensor, Dict[str, Any]] = {originals[i]: dict(s) for i, s in full["state"].items()}
+        for i, master in full.get("main_params", {}).items():
+            self.state.setdefault(originals[i], {})[MAIN_PARAM_KEY] = master
+
+    @classmethod
+    def gather(cls, dist_opt: DistributedOptimizer, optimizer: torch.optim.Optimizer,
+               keep_optimizer: bool = True) -> "FullOptimizerView":
+        """The whole state, gathered now (a collective over every DP group)."""
+        return cls(full_state_dict(dist_opt, optimizer), dist_opt.originals[id(optimizer)],
+                   dist_opt if keep_optimizer else None, optimizer if keep_optimizer else None)
+
+    @classmethod
+    def to_load(cls, dist_opt: DistributedOptimizer, optimizer: torch.optim.Optimizer) -> "FullOptimizerView":
+        """An empty view to read a checkpoint into (no collective)."""
+        originals = dist_opt.originals[id(optimizer)]
+        index = {id(p): i for i, p in enumerate(originals)}
+        groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": group}
+                  for group, saved in zip(_original_groups(dist_opt, optimizer, index), optimizer.param_groups)]
+        return cls({"state": {}, "param_groups": groups}, originals, dist_opt, optimizer)
+
+    def state_dict(self) -> Dict[str, Any]:
+        index = {id(p): i for i, p in enumerate(self._originals)}
+        return {"state": {index[id(p)]: dict(s) for p, s in self.state.items()},
+                "param_groups": [dict(g) for g in self._groups]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self._dist_opt is None:
+            raise RuntimeError("this optimizer view holds saved state only; build it with to_load() to load.")
+        state = {i: dict(s) for i, s in state_dict["state"].items()}
+        masters = {i: s.pop(MAIN_PARAM_KEY) for i, s in state.items() if MAIN_PARAM_KEY in s}
+        elementwise = {i: [k for k, v in s.items() if _is_elementwise(v, self._originals[i])] for i, s in state.items()}
+        load_full_state_dict(self._dist_opt, self._optimizer, {"state": state, "param_groups": state_dict["param_groups"],
+                                                               "main_params": masters, "elementwise": elementwise})
