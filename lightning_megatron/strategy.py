@@ -504,6 +504,12 @@ class MegatronStrategy(ParallelStrategy):
                 "outputs": results if is_last else None}
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the whole schedule, forward and backward of every micro-batch. ``on_before_backward``
+        is called per micro-batch on the last pipeline stage with the loss about to be backpropagated
+        (divided by ``accumulate_grad_batches``, before loss scaling); ``on_after_backward`` once, when
+        the gradients are handed back to Lightning."""
+        from lightning.pytorch.trainer import call
+
         module = self.lightning_module
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches
@@ -516,6 +522,9 @@ class MegatronStrategy(ParallelStrategy):
             out = module.training_step(microbatch, *args[1:], **kwargs)
             loss = _extract_loss(out)
             backward = loss / accumulate
+            # Lightning's hook, just before this micro-batch's backward (on the last pipeline stage)
+            call._call_callback_hooks(trainer, "on_before_backward", backward)
+            call._call_lightning_module_hook(trainer, "on_before_backward", backward)
             return (scaler.scale(backward) if scaler is not None else backward), loss.detach()
 
         if self.grads is not None:
