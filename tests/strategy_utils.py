@@ -107,14 +107,17 @@ def validate_tiny_gpt(strategy_kwargs, global_batch_size=8, module_cls=TinyGPTWi
 
 class PredictingGPT(TinyGPT):
     def predict_step(self, batch, batch_idx):
+        from lightning_megatron.context_parallel import all_gather_context_parallel
         from lightning_megatron.tensor_parallel import gather_from_tensor_parallel_region
 
-        return gather_from_tensor_parallel_region(self.model(batch["input_ids"]))[..., :VOCAB].argmax(-1)
+        logits = gather_from_tensor_parallel_region(self.model(batch["input_ids"]))[..., :VOCAB]
+        return all_gather_context_parallel(logits, seq_dim=1).argmax(-1)   # whole sequences under CP
 
 
 def predict_tiny_gpt(strategy_kwargs, global_batch_size=4, dataset_size=10):
     world = int(__import__("os").environ["WORLD_SIZE"])
-    mp = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get("pipeline_model_parallel_size", 1)
+    mp = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get("pipeline_model_parallel_size", 1) \
+        * strategy_kwargs.get("context_parallel_size", 1)
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world,
                         logger=False, enable_progress_bar=False, enable_model_summary=False)

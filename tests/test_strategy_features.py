@@ -220,7 +220,9 @@ def test_interrupted_adamw_run_resumes_like_one_process(tmp_path, world, kwargs)
 
 
 @pytest.mark.parametrize("world, kwargs", [(4, dict(tensor_model_parallel_size=2)), (2, dict()),
-                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2))])
+                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+                                           (2, dict(context_parallel_size=2)),
+                                           (4, dict(context_parallel_size=2, tensor_model_parallel_size=2))])
 def test_predict_returns_outputs_on_rank0_in_dataset_order(world, kwargs):
     from strategy_utils import predict_tiny_gpt
 
