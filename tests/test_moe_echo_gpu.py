@@ -130,3 +130,24 @@ def test_gpu_graph_replay_equals_the_function_and_hands_out_fresh_outputs():
         assert torch.equal(got, want)
     replay(torch.ones(5, 3).cuda(), torch.ones(5, 3).cuda(), scale=3)
     assert replay.num_graphs == 2                         # a new constant is a new signature: over the limit
+
+
+def _shifted(x, *, shift):
+    doubled = x * 2            # intermediates: shared between the graphs of both instances
+    return (doubled + shift, doubled.sum(0, keepdim=True))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_of_several_instances_share_a_pool_safely():
+    first, second = GraphReplay(_shifted), GraphReplay(_shifted)
+    gen = torch.Generator().manual_seed(1)
+    kept = []
+    for step in range(4):                                         # interleaved replays, outputs kept alive
+        for replay, shift in ((first, 1.0), (second, -3.0)):
+            x = torch.randn(64, 32, generator=gen).cuda()
+            got = replay(x, shift=shift)
+            kept.append((got, _shifted(x, shift=shift)))
+    for got, want in kept:
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert first.num_graphs == second.num_graphs == 1

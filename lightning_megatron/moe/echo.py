@@ -370,8 +370,8 @@ def token_moves(map_token_to_expert: Tensor, count_tokens_offloaded_to_spare: Te
     position = routing_home.cumsum(dim=1, dtype=torch.int32) - 1
     moved = (routing_home & (position >= window_start.unsqueeze(1)) & (position < window_end.unsqueeze(1))).t()
 
-    moved_from_home = torch.zeros(num_tokens, num_experts, dtype=torch.long, device=routing.device)
-    moved_from_home = moved_from_home.index_add_(1, home_idx, moved.long()) > 0  # [T, E]
+    moved_from_home = torch.zeros(num_tokens, num_experts, dtype=torch.int32, device=routing.device)
+    moved_from_home = moved_from_home.index_add_(1, home_idx, moved.int()) > 0  # [T, E]
     map_rerouted = torch.cat([routing & ~moved_from_home, moved], dim=1)
     return TokenMoves(map_rerouted, moved, moved_from_home, home_idx)
 

@@ -8,6 +8,11 @@ replay overwrites them while autograd may still hold the earlier ones).
 
 Plain eager calls happen on CPU tensors, while an outer CUDA graph is being captured (the plan
 then becomes part of that graph), and after ``max_signatures`` different input shapes.
+
+Memory: every graph keeps its intermediates allocated for its replays. All graphs of all instances
+on a device (one per MoE layer) share one memory pool: replays never overlap, inputs live outside
+the pool, and outputs stay allocated and are cloned out at once, so only the intermediates are
+shared and the pool holds the largest plan's, not the sum over layers.
 """
 
 from __future__ import annotations
@@ -16,6 +21,15 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
+
+
+_POOLS: Dict[torch.device, Any] = {}
+
+
+def _pool(device: torch.device) -> Any:
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _POOLS[device]
 
 
 class _Captured(NamedTuple):
@@ -73,6 +87,6 @@ class GraphReplay:
                 self.fn(*inputs, **constants)                 # warm-up: lazy initialization outside the capture
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=_pool(device)):
                 outputs = tuple(self.fn(*inputs, **constants))
         return _Captured(graph, inputs, outputs)
