@@ -20,6 +20,11 @@ sequence-parallel (each holds ``[S/tp, B, H]``). The experts live on the expert 
    world is in exactly one tp-ep group, so no alignment between tp and tp-ep is needed.
 3. Expert weights are replicated over edp: their gradients are summed over the edp group
    (parameters carry ``expert_parallel=True``), the router's and shared experts' over dp.
+4. ECHO (``num_spare_experts_per_ep_rank=k``, seed 004): between routing and dispatch, ``offload``
+   plans which tokens of overloaded EP ranks' experts go to spare slots on other ranks; the
+   dispatcher then sees ``E + ep·k`` columns (per rank: ``E/ep`` home experts, then ``k`` slots),
+   and ``experts_compute`` runs the slots with copies of their home experts' weights
+   (``spare_weights``), whose gradients flow back to the home expert.
 
 Balancing losses count tokens over the tp-cp group (see ``aux_loss``), so they equal the
 single-rank values; ``set_aux_loss_scale`` keeps them invariant to the micro-batch count.
@@ -111,9 +116,9 @@ class MoELayer(nn.Module):
     """A mixture-of-experts MLP block. ``forward(x)`` keeps ``x``'s shape and layout.
 
     ``x`` is ``[S, B, H]`` (sequence-first; ``[S/tp, B, H]`` under sequence parallelism) or
-    ``[T, H]``. The phases are separate methods (``shared_experts_compute``, ``route``,
-    ``preprocess``, ``dispatch``, ``experts_compute``, ``combine``) so a partial CUDA graph can stop after ``route`` or
-    ``preprocess``; ``self.dispatcher.meta`` holds the routing bookkeeping in between.
+    ``[T, H]``. The phases are separate methods (``shared_experts_compute``, ``route``, ``offload``,
+    ``preprocess``, ``dispatch``, ``experts_compute``, ``combine``) so a partial CUDA graph can stop after
+    ``route`` (with ``offload``) or ``preprocess``; ``self.dispatcher.meta`` holds the routing bookkeeping in between.
     ``self.aux_losses`` are the balancing losses of the last forward (this rank's parts).
     """
 
