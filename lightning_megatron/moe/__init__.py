@@ -19,13 +19,16 @@ from .echo import (
     home_expert_of_spare,
     interleave_spare_slots,
     one_shot_greedy_assignment,
+    plan_token_moves,
+    reroute_probs,
 )
 from .experts import GroupedMLP, SharedExpertMLP, grouped_mm_available
 from .groups import MoEGroups
 from .layer import MoEConfig, MoELayer
-from .permute import permute, permute_probs, unpermute
+from .permute import permute, permute_per_token, permute_probs, unpermute, unpermute_per_token
 from .router import TopKRouter, update_expert_biases
 from .routing import apply_capacity, expert_capacity, group_limited_topk, topk_routing
+from .spare_weights import weights_with_spare_slots
 
 __all__ = [
     "apply_offloading_plan",
@@ -38,12 +41,15 @@ __all__ = [
     "home_expert_of_spare",
     "interleave_spare_slots",
     "one_shot_greedy_assignment",
+    "plan_token_moves",
+    "reroute_probs",
+    "weights_with_spare_slots",
     # MoE layer
     "MoEConfig", "MoELayer", "MoEGroups",
     "TopKRouter", "update_expert_biases", "topk_routing", "group_limited_topk", "expert_capacity", "apply_capacity",
     "AttachAuxLoss", "switch_load_balancing_loss", "sequence_load_balancing_loss", "z_loss",
     "set_aux_loss_scale", "collect_aux_losses",
     "TokenDispatcher", "AllToAllTokenDispatcher", "AllGatherTokenDispatcher", "DispatchMetadata",
-    "build_dispatcher", "permute", "permute_probs", "unpermute",
+    "build_dispatcher", "permute", "permute_probs", "unpermute", "permute_per_token", "unpermute_per_token",
     "GroupedMLP", "SharedExpertMLP", "grouped_mm_available",
 ]
