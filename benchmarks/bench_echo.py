@@ -54,6 +54,8 @@ def _case(args, skew: float, spare: int, device: torch.device, dtype: torch.dtyp
     for _ in range(args.warmup):
         step()
     rows = _rows_per_rank(layer, ep)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.iters):
         if device.type == "cuda":
@@ -83,9 +85,12 @@ def _case(args, skew: float, spare: int, device: torch.device, dtype: torch.dtyp
         step()
     ms = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)                 # a step is as slow as its slowest rank
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     flops = float(rows.sum()) * 2 * args.hidden * args.ffn * 3 * 3
     return {"skew": skew, "spare": spare, "max/avg rows": float(rows.max() / rows.float().mean()),
-            "ms": float(ms), "tflops": flops / ep / (float(ms) * 1e-3) / 1e12}
+            "ms": float(ms), "tflops": flops / ep / (float(ms) * 1e-3) / 1e12, "peak_gib": float(peak)}
 
 
 def _time_phases(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -> None:
@@ -118,6 +123,49 @@ def _time_phases(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -
     layer.zero_grad(set_to_none=True)
 
 
+def _time_unpermute(args, device: torch.device, dtype: torch.dtype) -> None:
+    """The combine's weighted sum, forward+backward: float32 copy of the rows first (before) vs regroup in
+    the rows' dtype and weight after (``unpermute_per_token``): ms and the memory kept for backward."""
+    from lightning_megatron.moe.permute import gather_permutation, unpermute_per_token
+
+    tokens, k = args.tokens, args.topk
+    gen = torch.Generator(device).manual_seed(0)
+    rows0 = torch.randn(tokens * k, args.hidden, device=device, dtype=dtype, generator=gen)
+    probs0 = torch.rand(tokens * k, device=device, generator=gen)
+    order = torch.randperm(tokens * k, device=device, generator=gen)
+    grad = torch.randn(tokens, args.hidden, device=device, dtype=dtype, generator=gen)
+
+    def before(rows, probs):
+        weighted = rows.to(probs.dtype) * probs.unsqueeze(-1)
+        return gather_permutation(weighted, order).view(tokens, k, -1).sum(dim=1).to(dtype)
+
+    def after(rows, probs):
+        return unpermute_per_token(rows, order, tokens, probs, out_dtype=dtype)
+
+    outs = {}
+    for name, fn in (("rows to float32 first", before), ("regroup, then weight", after)):
+        rows, probs = rows0.clone().requires_grad_(), probs0.clone().requires_grad_()
+        times, kept = [], 0.0
+        for i in range(args.iters + 3):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            start_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            start = time.perf_counter()
+            out = fn(rows, probs)
+            if device.type == "cuda":
+                kept = (torch.cuda.memory_allocated(device) - start_mem) / 2**20
+            out.backward(grad)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            if i >= 3:
+                times.append((time.perf_counter() - start) * 1e3)
+        outs[name] = (out.detach(), rows.grad, probs.grad)
+        if dist.get_rank() == 0:
+            print(f"  unpermute {name:<22} fwd+bwd {statistics.median(times):7.3f} ms, kept for backward "
+                  f"{kept:8.1f} MiB", flush=True)
+    a, b = outs.values()
+    if dist.get_rank() == 0:
+        print("  unpermute results equal:", all(torch.equal(x, y) for x, y in zip(a, b)), flush=True)
+
+
 def _run(args):
     rank = dist.get_rank()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -126,6 +174,8 @@ def _run(args):
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     state = ParallelState(ParallelLayout(dist.get_world_size(), ep=dist.get_world_size())).activate()
+    if args.unpermute:
+        _time_unpermute(args, device, dtype)
     results = [_case(args, skew, spare, device, dtype) for skew in args.skews for spare in args.spares]
     state.destroy()
     return results
@@ -147,6 +197,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print rank 0's kernel table of one step per case")
     parser.add_argument("--profile-rows", type=int, default=25)
     parser.add_argument("--phases", action="store_true", help="time ECHO's pieces on their own")
+    parser.add_argument("--unpermute", action="store_true", help="time the combine's weighted sum, before/after")
     args = parser.parse_args()
     if args.smoke:
         args.experts, args.hidden, args.ffn, args.tokens, args.iters, args.warmup = 8, 32, 32, 64, 2, 1
@@ -156,12 +207,12 @@ def main() -> None:
     print(f"ECHO on {args.gpus}x {name}: E={args.experts} H={args.hidden} F={args.ffn} "
           f"tokens/rank={args.tokens} top{args.topk}, SwiGLU, alltoall dispatcher")
     print(f"{'skew':>5} {'spare k':>7} {'max/avg rows':>12} {'fwd+bwd ms':>10} {'TFLOP/s/GPU':>11} {'MFU':>6} "
-          f"{'vs k=0':>7}")
+          f"{'vs k=0':>7} {'peak GiB':>8}")
     base = {}
     for r in results:
         base.setdefault(r["skew"], r["ms"])
         print(f"{r['skew']:>5.1f} {r['spare']:>7d} {r['max/avg rows']:>12.2f} {r['ms']:>10.2f} {r['tflops']:>11.1f} "
-              f"{r['tflops'] / PEAK_TFLOPS:>6.1%} {base[r['skew']] / r['ms']:>6.2f}x")
+              f"{r['tflops'] / PEAK_TFLOPS:>6.1%} {base[r['skew']] / r['ms']:>6.2f}x {r['peak_gib']:>8.2f}")
 
 
 if __name__ == "__main__":

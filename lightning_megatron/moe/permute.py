@@ -135,9 +135,16 @@ def permute_per_token(tokens: Tensor, routing_map: Tensor, k: int) -> tuple[Tens
 
 def unpermute_per_token(rows: Tensor, token_order: Tensor, num_tokens: int, probs: Optional[Tensor] = None,
                         out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``unpermute`` for rows from ``permute_per_token``: each token sums its ``k`` rows in order."""
-    if probs is not None:
-        rows = rows.to(torch.promote_types(rows.dtype, probs.dtype)) * probs.unsqueeze(-1)
+    """``unpermute`` for rows from ``permute_per_token``: each token sums its ``k`` rows in order.
+
+    The rows are regrouped in their own dtype and weighted after (one mixed-dtype multiply computes in
+    the probabilities' float32), so no float32 copy of the rows is made or kept for the backward.
+    """
     k = rows.shape[0] // num_tokens
-    out = gather_permutation(rows, token_order).view((num_tokens, k) + tuple(rows.shape[1:])).sum(dim=1)
+    inverse = inverse_permutation(token_order)
+    grouped = gather_permutation(rows, token_order, inverse).view((num_tokens, k) + tuple(rows.shape[1:]))
+    if probs is not None:
+        weights = gather_permutation(probs, token_order, inverse).view((num_tokens, k) + (1,) * (rows.dim() - 1))
+        grouped = grouped * weights
+    out = grouped.sum(dim=1)
     return out if out_dtype is None else out.to(out_dtype)
