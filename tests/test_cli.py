@@ -9,10 +9,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "gpt_tiny.yaml")
+MOE_CONFIG = os.path.join(ROOT, "examples", "gpt_moe_tiny.yaml")
 
 
-def run_cli(*overrides, timeout=240):
-    cmd = [sys.executable, "-m", "lightning_megatron", "fit", "--config", CONFIG, "--trainer.max_steps", "6",
+def run_cli(*overrides, timeout=240, config=CONFIG):
+    cmd = [sys.executable, "-m", "lightning_megatron", "fit", "--config", config, "--trainer.max_steps", "6",
            "--trainer.val_check_interval", "6", "--trainer.enable_progress_bar", "false",
            "--data.train_size", "96", "--data.val_size", "32", *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -34,3 +35,14 @@ def test_cli_runs_the_yaml_recipe_and_tensor_parallel_matches(tmp_path):
 def test_strategy_by_name_in_yaml(tmp_path):
     out = run_cli("--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "megatron")
     assert float(out["train_loss"]) > 0
+
+
+def test_cli_moe_recipe_with_expert_parallelism_and_echo_matches_one_rank(tmp_path):
+    """The MoE example from YAML: 2 ranks with the experts split over them (EP2, one ECHO spare slot per
+    rank) and half the per-rank batch (the same global batch) train like 1 rank."""
+    single = run_cli("--trainer.default_root_dir", str(tmp_path / "one"), config=MOE_CONFIG)
+    parallel = run_cli("--trainer.default_root_dir", str(tmp_path / "two"), "--trainer.devices", "2",
+                       "--trainer.strategy.expert_model_parallel_size", "2",
+                       "--model.moe.num_spare_experts_per_ep_rank", "1", "--data.batch_size", "8", config=MOE_CONFIG)
+    assert float(parallel["train_loss"]) == pytest.approx(float(single["train_loss"]), rel=1e-4)
+    assert float(parallel["val_loss"]) == pytest.approx(float(single["val_loss"]), rel=1e-4)

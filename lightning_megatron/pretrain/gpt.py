@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..models import GPTModel
+from ..moe import MoEConfig
 from ..pipeline import VirtualChunks
 from ..transformer import TransformerConfig
 
@@ -25,7 +26,9 @@ class GPTPretraining(L.LightningModule):
                  num_attention_heads: int = 4, ffn_hidden_size: Optional[int] = None, dropout: float = 0.0,
                  activation: str = "gelu", normalization: str = "LayerNorm", sequence_parallel: bool = False,
                  lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10,
-                 init_seed: int = 1234) -> None:
+                 init_seed: int = 1234, moe: Optional[MoEConfig] = None, moe_layer_freq: int = 1) -> None:
+        """``moe``: make every ``moe_layer_freq``-th MLP a mixture of experts (its ``hidden_size`` must
+        equal ``hidden_size``); the strategy's ``expert_model_parallel_size`` spreads the experts."""
         super().__init__()
         self.save_hyperparameters()
 
@@ -37,7 +40,7 @@ class GPTPretraining(L.LightningModule):
             num_layers=h.num_layers, hidden_size=h.hidden_size, num_attention_heads=h.num_attention_heads,
             ffn_hidden_size=h.ffn_hidden_size, hidden_dropout=h.dropout, attention_dropout=h.dropout,
             activation=h.activation, normalization=h.normalization, sequence_parallel=h.sequence_parallel,
-            init_seed=h.init_seed)
+            init_seed=h.init_seed, moe=_moe_config(h.moe), moe_layer_freq=h.moe_layer_freq)
         self.model = VirtualChunks(lambda vp_rank: GPTModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank))
 
     def forward(self, batch: dict) -> torch.Tensor:
@@ -61,6 +64,11 @@ class GPTPretraining(L.LightningModule):
         warmup = max(1, self.hparams.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _moe_config(moe: Optional[object]) -> Optional[MoEConfig]:
+    """LightningCLI records init arguments as given (``moe`` as a mapping); the model needs the dataclass."""
+    return MoEConfig(**moe) if isinstance(moe, dict) else moe
 
 
 class _Pattern(Dataset):
