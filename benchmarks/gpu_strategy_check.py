@@ -6,6 +6,8 @@ Run once per layout and compare the printed losses (float32: equal to ~1e-5 acro
     python benchmarks/gpu_strategy_check.py --devices 2 --tp 2
     python benchmarks/gpu_strategy_check.py --devices 2 --pp 2 --micro-batch-size 4
     python benchmarks/gpu_strategy_check.py --devices 2 --tp 2 --cuda-graph partial
+    python benchmarks/gpu_strategy_check.py --devices 1 --experts 8
+    python benchmarks/gpu_strategy_check.py --devices 2 --experts 8 --ep 2 --spare 1
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import lightning as L
 import torch
 
 from lightning_megatron import MegatronStrategy
+from lightning_megatron.moe import MoEConfig
 from lightning_megatron.pretrain import GPTPretraining, PatternTokens
 
 
@@ -44,15 +47,21 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--cuda-graph", default=None, choices=[None, "partial", "full"])
+    parser.add_argument("--experts", type=int, default=0, help="MoE MLPs on every second layer (0: dense)")
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--spare", type=int, default=0, help="ECHO spare expert slots per EP rank")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
     dp = args.devices // (args.tp * args.pp)
-    module = GPTPretraining(vocab_size=512, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=8)
+    moe = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=args.experts, topk=2, aux_loss_coeff=1e-2,
+                    num_spare_experts_per_ep_rank=args.spare) if args.experts else None
+    module = GPTPretraining(vocab_size=512, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=8,
+                            moe=moe, moe_layer_freq=2)
     data = PatternTokens(vocab_size=512, seq_length=128, batch_size=args.global_batch // dp, train_size=4096)
     recorder = Recorder()
     strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                 micro_batch_size=args.micro_batch_size, cuda_graph=args.cuda_graph,
-                                virtual_pipeline_model_parallel_size=args.vpp)
+                                virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep)
     trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -62,7 +71,8 @@ def main() -> None:
     elapsed = time.perf_counter() - recorder.start
     if trainer.is_global_zero:
         steps = len(recorder.losses) - 2
-        print(f"layout devices={args.devices} tp={args.tp} pp={args.pp} mbs={args.micro_batch_size} "
+        print(f"layout devices={args.devices} tp={args.tp} pp={args.pp} ep={args.ep} experts={args.experts} "
+              f"spare={args.spare} mbs={args.micro_batch_size} "
               f"precision={args.precision} cuda_graph={args.cuda_graph} backend={torch.distributed.get_backend()} "
               f"{steps * args.global_batch * 128 / elapsed:.0f} tokens/s")
         print("losses " + " ".join(f"{l:.6f}" for l in recorder.losses), flush=True)

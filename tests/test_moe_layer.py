@@ -252,3 +252,23 @@ def test_layout_errors_name_the_parameter_and_the_fix():
     assert "num_experts=3 is not divisible by the expert-parallel size (ep) 2" in messages[0]
     assert "ffn_hidden_size=7 is not divisible by the expert tensor-parallel size (etp) 2" in messages[1]
     assert "not divisible by the tensor-parallel size 2" in messages[2] and "sequence_parallel" in messages[2]
+
+
+def test_expert_weights_do_not_depend_on_the_default_device():
+    """Lightning builds models under a default-device context (cuda on GPUs): the experts' master weights
+    must still come from the CPU generator, the same on every device and EP rank. A meta default device
+    stands in for cuda here: any draw that follows the default device would fail or differ."""
+    from lightning_megatron.moe import GroupedMLP
+    from lightning_megatron.tensor_parallel.layers import init_method_normal, init_sharded_
+
+    def build():
+        torch.manual_seed(3)
+        shard = torch.empty(3, 8, device="cpu")
+        init_sharded_(shard, (6, 8), 0, init_method_normal(), rank=1, world_size=2)
+        return GroupedMLP(4, 8, 6, first_expert=4, device="cpu"), shard
+
+    plain_experts, plain_shard = build()
+    with torch.device("meta"):
+        experts, shard = build()
+    assert torch.equal(experts.weight1, plain_experts.weight1) and torch.equal(experts.weight2, plain_experts.weight2)
+    assert torch.equal(shard, plain_shard)

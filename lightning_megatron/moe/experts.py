@@ -70,7 +70,7 @@ def _expert_master(shape, init_method: InitMethod, seed: int):
     """Context-free draw of one expert's float32 master weight from its own CPU generator."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        master = torch.empty(shape, dtype=torch.float32)
+        master = torch.empty(shape, dtype=torch.float32, device="cpu")   # not the default device (Lightning: cuda)
         init_method(master)
     return master
 
@@ -114,7 +114,9 @@ class GroupedMLP(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, init_method: InitMethod, output_layer_init_method: InitMethod) -> None:
         n = 2 if self.activation == "swiglu" else 1
-        base = int(torch.randint(0, 2 ** 40, (1,)))   # one draw of the (rank-identical) default generator
+        # one draw of the (rank-identical) CPU generator; explicit device: under Lightning's default-device
+        # context a plain draw would come from the CUDA generator, consumed differently per EP rank
+        base = int(torch.randint(0, 2 ** 40, (1,), device="cpu"))
         for i in range(self.num_local_experts):
             seed = base + 2 * (self.first_expert + i)
             w1 = _expert_master((n * self.ffn_hidden_size, self.hidden_size), init_method, seed)

@@ -45,7 +45,7 @@ def init_sharded_(param: torch.Tensor, full_shape: Tuple[int, ...], partition_di
     generator identically. ``stride`` > 1 handles fused weights (e.g. interleaved QKV) whose
     shard is ``stride`` strided blocks.
     """
-    master = torch.empty(full_shape, dtype=torch.float32)
+    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")   # whatever the default device is
     init_method(master)
     block = divide(full_shape[partition_dim] // world_size, stride, "partition size", by="stride")
     blocks = torch.split(master, block, dim=partition_dim)
