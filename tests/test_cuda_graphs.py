@@ -115,7 +115,9 @@ def _train(mode, *, pp=1, vp=None, steps=5, warmup=2, scope="layer", dropout=0.1
     from lightning_megatron.transformer import TransformerConfig
 
     world = dist.get_world_size()
-    device = torch.device("cuda" if graph_backend == "cuda" else "cpu")
+    if graph_backend == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if graph_backend == "cuda" else torch.device("cpu")
     state = ParallelState(ParallelLayout(world, pp=pp, ep=ep), virtual_pipeline_size=vp).activate()
     model_parallel_seed(1234)
     cfg = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=dropout,
@@ -262,6 +264,19 @@ def test_gpu_moe_partial_capture_trains_like_eager():
     runs = [("router", "partial", {"scope": ["attn", "moe_router"]}),
             ("preprocess", "partial", {"scope": ["attn", "moe_router", "moe_preprocess"]})]
     _assert_same(_on_gpu(_modes, runs, graph_backend="cuda", moe=True), 1e-5, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_moe_partial_capture_with_echo_over_two_gpus_trains_like_eager():
+    """EP=2 over NCCL with an ECHO spare slot per rank: the router (+ plan) and preprocess graphs replay
+    the offloading plan, the eager rest dispatches by it."""
+    runs = [("router", "partial", {"scope": ["attn", "moe_router"]}),
+            ("preprocess", "partial", {"scope": ["attn", "moe_router", "moe_preprocess"]})]
+    per_rank = run_on_ranks(_modes, 2, runs, graph_backend="cuda", moe=True, ep=2, spare=1, backend="nccl",
+                            timeout=300)
+    for results in per_rank:
+        _assert_same(results, 1e-5, 1e-4)
 
 
 def _capture_error(**options):
