@@ -37,8 +37,8 @@ from torch.distributed.constants import default_pg_timeout
 
 from .checkpoint import load_rank_state, load_sharded, save_sharded
 from .context_parallel import split_for_context_parallel
-from .distributed import (DataParallelGrads, DistributedOptimizer, FullOptimizerView, clip_grad_norm, default_bucket_size,
-                          finalize_model_grads, split_into_microbatches)
+from .distributed import (DataParallelGrads, DistributedOptimizer, FullOptimizerView, clip_grad_norm,
+                          default_bucket_size, finalize_model_grads, split_into_microbatches)
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
 from .moe import set_aux_loss_scale, update_expert_biases
@@ -747,7 +747,8 @@ class MegatronStrategy(ParallelStrategy):
         trainer's own state; RNG streams come back when the layout is the one that saved them."""
         trainer = self.lightning_module.trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        extra = load_sharded(path, [self.lightning_module], self._checkpoint_optimizers(saving=False) if fitting else None,
+        optimizers = self._checkpoint_optimizers(saving=False) if fitting else None
+        extra = load_sharded(path, [self.lightning_module], optimizers,
                              strict=self.lightning_module.strict_loading) or {}
         rng = load_rank_state(path)
         if rng is not None:

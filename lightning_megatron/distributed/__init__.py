@@ -10,6 +10,6 @@ from .microbatches import split_into_microbatches
 from .optimizer_state import FullOptimizerView, full_state_dict, load_full_state_dict
 from .param_buffer import ParamBuffer, ParamGather
 
-__all__ = ["BucketSpec", "FullOptimizerView", "DataParallelGrads", "DistributedOptimizer", "GradBuffer", "ParamBuffer", "ParamGather",
-           "bucket_layout", "check_shardable", "clip_grad_norm", "default_bucket_size", "finalize_model_grads",
+__all__ = ["BucketSpec", "DataParallelGrads", "DistributedOptimizer", "FullOptimizerView", "GradBuffer", "ParamBuffer",
+           "ParamGather", "bucket_layout", "check_shardable", "clip_grad_norm", "default_bucket_size", "finalize_model_grads",
            "full_state_dict", "global_grad_norm", "load_full_state_dict", "split_into_microbatches"]

@@ -204,5 +204,6 @@ class FullOptimizerView:
         state = {i: dict(s) for i, s in state_dict["state"].items()}
         masters = {i: s.pop(MAIN_PARAM_KEY) for i, s in state.items() if MAIN_PARAM_KEY in s}
         elementwise = {i: [k for k, v in s.items() if _is_elementwise(v, self._originals[i])] for i, s in state.items()}
-        load_full_state_dict(self._dist_opt, self._optimizer, {"state": state, "param_groups": state_dict["param_groups"],
-                                                               "main_params": masters, "elementwise": elementwise})
+        full = {"state": state, "param_groups": state_dict["param_groups"], "main_params": masters,
+                "elementwise": elementwise}
+        load_full_state_dict(self._dist_opt, self._optimizer, full)

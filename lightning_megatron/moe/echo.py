@@ -338,7 +338,7 @@ def apply_offloading_plan(
         experts, ``[E, E + S)`` spare slots.
     """
     moves = token_moves(map_token_to_expert, count_tokens_offloaded_to_spare, map_home_expert_to_spare)
-    return moves.routing_map, reroute_probs(probs_routing, moves)
+    return moves.routing_map, reroute_probs(probs_routing, moves.moved, moves.moved_from_home, moves.home_index)
 
 
 class TokenMoves(NamedTuple):
@@ -376,11 +376,14 @@ def token_moves(map_token_to_expert: Tensor, count_tokens_offloaded_to_spare: Te
     return TokenMoves(map_rerouted, moved, moved_from_home, home_idx)
 
 
-def reroute_probs(probs_routing: Tensor, moves: TokenMoves) -> Tensor:
-    """``[T, E]`` probs -> ``[T, E + S]``: a moved token's probability follows it to its slot (differentiable)."""
+def reroute_probs(probs_routing: Tensor, moved: Tensor, moved_from_home: Tensor, home_index: Tensor) -> Tensor:
+    """``[T, E]`` probs -> ``[T, E + S]``: a moved token's probability follows it to its slot (differentiable).
+
+    ``moved``, ``moved_from_home``, ``home_index``: the fields of ``TokenMoves``.
+    """
     zero = torch.zeros((), dtype=probs_routing.dtype, device=probs_routing.device)
-    probs_home = torch.where(moves.moved_from_home, zero, probs_routing)
-    probs_spare = torch.where(moves.moved, probs_routing.index_select(1, moves.home_index), zero)
+    probs_home = torch.where(moved_from_home, zero, probs_routing)
+    probs_spare = torch.where(moved, probs_routing.index_select(1, home_index), zero)
     return torch.cat([probs_home, probs_spare], dim=1)
 
 
@@ -443,7 +446,7 @@ def gen_offloading_plan(
     """
     plan = plan_token_moves(map_token_to_expert, count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks,
                             num_spare_experts_per_ep_rank)
-    probs = reroute_probs(probs_routing, plan.moves)
+    probs = reroute_probs(probs_routing, plan.moves.moved, plan.moves.moved_from_home, plan.moves.home_index)
     return (
         interleave_spare_slots(plan.moves.routing_map, num_ep_ranks, num_spare_experts_per_ep_rank),
         interleave_spare_slots(probs, num_ep_ranks, num_spare_experts_per_ep_rank),

@@ -43,9 +43,9 @@ from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, sca
 from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, group_rank, group_size
 from .dispatcher import DISPATCHERS, TokenDispatcher, build_dispatcher
-from .echo import TokenMoves, home_expert_of_spare, interleave_spare_slots, plan_token_moves, reroute_probs
-from .graph_replay import GraphReplay
+from .echo import home_expert_of_spare, interleave_spare_slots, plan_token_moves, reroute_probs
 from .experts import ACTIVATIONS, GroupedMLP, SharedExpertMLP
+from .graph_replay import GraphReplay
 from .groups import MoEGroups
 from .router import TopKRouter
 from .spare_weights import weights_with_spare_slots
@@ -151,8 +151,8 @@ class MoELayer(nn.Module):
         self.num_spare = config.num_spare_experts_per_ep_rank if ep_size > 1 else 0
         self._plan = GraphReplay(_integer_plan)   # on GPUs the plan's ~80 small kernels replay as one graph
         # With spare slots the dispatcher sees E + ep*k rank-major columns: E/ep home + k spare per rank.
-        self.dispatcher: TokenDispatcher = build_dispatcher(config.dispatcher, config.num_experts + ep_size * self.num_spare,
-                                                            config.topk, groups)
+        self.dispatcher: TokenDispatcher = build_dispatcher(
+            config.dispatcher, config.num_experts + ep_size * self.num_spare, config.topk, groups)
         d = self.dispatcher
         self.experts = GroupedMLP(num_home, config.hidden_size, config.ffn_hidden_size,
                                   activation=config.activation, first_expert=ep_rank * num_home,
@@ -192,7 +192,7 @@ class MoELayer(nn.Module):
         counts = counts.view(-1, self.config.num_experts)                   # [etp·ep, E], row q·ep + p
         routing_map, moved, moved_from_home, home_index, spare_homes = self._plan(
             routing_map, counts, source=d.etp_rank * d.ep_size + d.ep_rank, num_ep_ranks=d.ep_size, k=self.num_spare)
-        probs = reroute_probs(probs, TokenMoves(None, moved, moved_from_home, home_index))
+        probs = reroute_probs(probs, moved, moved_from_home, home_index)
         return interleave_spare_slots(probs, d.ep_size, self.num_spare), routing_map, spare_homes
 
     def preprocess(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
