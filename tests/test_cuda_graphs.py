@@ -173,10 +173,15 @@ def _train(mode, *, pp=1, vp=None, steps=5, warmup=2, scope="layer", dropout=0.1
     losses.append(last_stage_value(loss))
     if wrapper is not None:
         assert wrapper.is_captured(training=True) and wrapper.is_captured(training=False)
-    stats = graphs.stats() if graphs is not None else {}
+    stats = dict(graphs.stats()) if graphs is not None else {}
     if graphs is not None:
         assert graphs.captured
         graphs.remove()
+    if spare:   # the last forward's ECHO plan: how many spare slots hold an expert copy
+        from lightning_megatron.moe import MoELayer
+
+        stats["echo_slots_used"] = sum(int((m.dispatcher.meta.spare_homes >= 0).sum())
+                                       for m in model.modules() if isinstance(m, MoELayer))
     return losses, grads, stats
 
 
@@ -240,6 +245,7 @@ def test_moe_partial_scopes_carry_the_echo_plan_on_cpu():
             ("preprocess", "partial", {"scope": ["attn", "moe_router", "moe_preprocess"]})]
     per_rank = run_on_ranks(_modes, 2, runs, graph_backend="eager", moe=True, ep=2, spare=1, steps=4, timeout=300)
     for results in per_rank:
+        assert all(stats["echo_slots_used"] > 0 for _, _, stats in results.values()), "nothing was offloaded"
         _assert_same(results, 1e-6, 1e-6)
 
 
@@ -276,6 +282,7 @@ def test_gpu_moe_partial_capture_with_echo_over_two_gpus_trains_like_eager():
     per_rank = run_on_ranks(_modes, 2, runs, graph_backend="cuda", moe=True, ep=2, spare=1, backend="nccl",
                             timeout=300)
     for results in per_rank:
+        assert all(stats["echo_slots_used"] > 0 for _, _, stats in results.values()), "nothing was offloaded"
         _assert_same(results, 1e-5, 1e-4)
 
 

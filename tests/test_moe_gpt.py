@@ -5,7 +5,7 @@ import pytest
 
 from lightning_megatron.moe import MoEConfig
 from lightning_megatron.testing import run_on_ranks
-from strategy_utils import fit_tiny_gpt
+from strategy_utils import TinyGPT, fit_tiny_gpt
 
 
 def moe(dispatcher, spare=0):
@@ -28,9 +28,23 @@ def test_moe_gpt_trains_like_a_single_process(dispatcher, world, kwargs, spare):
     ref = run_on_ranks(fit_tiny_gpt, 1, dict(), trainer_kwargs=dict(gradient_clip_val=0.5),
                        module_kwargs=module_kwargs, timeout=120)[0]
     out = run_on_ranks(fit_tiny_gpt, world, kwargs, trainer_kwargs=dict(gradient_clip_val=0.5),
-                       module_kwargs=module_kwargs, timeout=180)
+                       module_kwargs=module_kwargs, module_cls=EchoProbe, timeout=180)
     for rank_out in out:
         assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+        if spare:
+            assert rank_out["probe"]["echo_slots_used"] > 0, "the strategy run never offloaded a token"
+
+
+class EchoProbe(TinyGPT):
+    """Counts the spare slots that held an expert copy, over every training batch."""
+
+    def on_train_batch_end(self, *args):
+        from lightning_megatron.moe import MoELayer
+
+        super().on_train_batch_end(*args)
+        used = sum(int((m.dispatcher.meta.spare_homes >= 0).sum()) for m in self.modules()
+                   if isinstance(m, MoELayer) and m.dispatcher.meta.spare_homes is not None)
+        self.sums = {"echo_slots_used": getattr(self, "sums", {}).get("echo_slots_used", 0) + used}
 
 
 class RecordRouters(__import__("lightning").Callback):

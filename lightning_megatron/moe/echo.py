@@ -405,9 +405,9 @@ def interleave_spare_slots(x: Tensor, num_ep_ranks: int, num_spare_experts_per_e
 def home_expert_of_column(map_home_expert_to_spare: Tensor, num_ep_ranks: int) -> Tensor:
     """``[E + S]`` int64: whose weights each rank-major column computes with (``-1``: unused slot).
 
-    This is what the expert-weight dispatcher needs: spare column ``c`` runs a
-    copy of home expert ``home_expert_of_column(...)[c]``, and its weight
-    gradient is summed back into that expert.
+    Spare column ``c`` runs a copy of home expert ``home_expert_of_column(...)[c]``; its weight
+    gradient is summed back into that expert. The layer itself moves weights by slot
+    (``home_expert_of_spare`` and ``spare_weights``); this per-column view is for reading a plan.
     """
     num_experts, num_spare = map_home_expert_to_spare.shape
     home_ids = torch.arange(num_experts, device=map_home_expert_to_spare.device)
