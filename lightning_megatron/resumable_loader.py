@@ -6,11 +6,18 @@ restores the state of any loader that has ``state_dict``/``load_state_dict``: th
 how many batches of which epoch it handed out and, after a restore into that same epoch, skips
 them. The sampler's order is a function of the epoch (``set_epoch``), so the skipped batches are
 exactly the ones already trained on.
+
+Resuming mid-epoch also builds a DataLoader iterator that the uninterrupted run never built at that
+point, and building one draws its base seed from the global torch generator. That draw would shift
+every later random number (dropout masks) away from the uninterrupted run's, so the iterator of a
+resumed epoch is built with the generator's state put back afterwards.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, Optional
+
+import torch
 
 
 class ResumableLoader:
@@ -39,7 +46,12 @@ class ResumableLoader:
             skip = int(self._resume.get("batches", 0))
         self._resume = None
         self._yielded = skip
-        for index, batch in enumerate(self.loader):
+        if skip:
+            with torch.random.fork_rng(devices=[]):   # the CPU generator only: what the iterator draws from
+                batches = iter(self.loader)
+        else:
+            batches = iter(self.loader)
+        for index, batch in enumerate(batches):
             if index < skip:
                 continue
             self._yielded += 1

@@ -484,8 +484,11 @@ class MegatronStrategy(ParallelStrategy):
             results.append(out if forward_only else reported)
             return loss, reported
 
-        if self._routers and not forward_only:   # ... and the executor's 1/micro-batches
-            set_aux_loss_scale(module, self._aux_loss_scale / len(microbatches))
+        if self._routers and not forward_only:
+            # ... and the executor's 1/micro-batches. Gradients are averaged over dp·cp, which makes the
+            # user's per-rank mean losses one mean; the balancing losses are partial sums over the cp
+            # ranks' shares of each sequence, so their gradients are multiplied back by cp.
+            set_aux_loss_scale(module, self._aux_loss_scale * state.cp_size / len(microbatches))
         if self._graphs is not None and not forward_only:
             # per-layer graphs replay in exactly the order this schedule runs the layers
             self._graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank, chunks,

@@ -25,14 +25,15 @@ class TokenData(Dataset):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, layers=4, lr=2.0, **config):
+    def __init__(self, layers=4, lr=2.0, dropout=0.0, **config):
         super().__init__()
         self.layers, self.lr, self.config = layers, lr, config   # config: extra TransformerConfig fields
+        self.dropout = dropout
         self.step_losses = []
 
     def configure_model(self):
-        cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
-                                attention_dropout=0.0, **self.config)
+        cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4,
+                                hidden_dropout=self.dropout, attention_dropout=self.dropout, **self.config)
         self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank))
 
     def forward(self, batch):
@@ -124,3 +125,87 @@ def predict_tiny_gpt(strategy_kwargs, global_batch_size=4, dataset_size=10):
     out = trainer.predict(PredictingGPT(), DataLoader(TokenData(n=dataset_size, seed=2),
                                                       batch_size=global_batch_size // (world // mp)))
     return torch.cat(out) if trainer.is_global_zero else None
+
+
+def full_parameters(module):
+    """Every parameter as the single-process model holds it (global name, TP/ETP shards joined, experts
+    gathered over EP, every pipeline stage's share), on every rank; float32 on the CPU.
+
+    Copies of one parameter (data-parallel replicas, the last stage's tied output weight, an expert on
+    its expert-data-parallel replicas) must be equal: an update that differs between copies fails here.
+    """
+    import torch.distributed as dist
+
+    from lightning_megatron.models.sharding import full_of, global_names
+    from lightning_megatron.parallel import get_parallel_state
+    from lightning_megatron.tensor_parallel.mappings import gather_along_dim
+
+    state = get_parallel_state()
+    names = global_names(module)
+    mine = {}
+    for local, param in module.named_parameters():
+        if getattr(param, "expert_parallel", False):
+            full = gather_along_dim(full_of(param.detach(), param, state.group("etp")).contiguous(), 0,
+                                    state.group("ep"))
+        else:
+            full = full_of(param.detach(), param, state.tp_group)
+        if local.endswith(("word_embeddings.weight", "output_weight")):
+            full = full[:VOCAB]   # rows past the vocabulary pad the table for TP
+        mine[names[local]] = full.float().cpu().clone()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {}
+    for rank, part in enumerate(gathered):
+        for name, tensor in part.items():
+            if name in merged:
+                torch.testing.assert_close(tensor, merged[name], rtol=0, atol=1e-6,
+                                           msg=lambda m: f"copies of {name} differ (rank {rank}): {m}")
+            merged[name] = tensor
+    return merged
+
+
+class RecordParameters(L.Callback):
+    """The whole model after every optimizer step (what one process would hold)."""
+
+    def __init__(self):
+        self.after_step = []
+
+    def on_train_batch_end(self, trainer, module, *args):
+        trainer.strategy.finish_param_sync()
+        self.after_step.append(full_parameters(module))
+
+
+def fit_and_record(strategy_kwargs, module_kwargs=None, max_steps=3, **kwargs):
+    """``fit_tiny_gpt`` that also returns the full model after each step (compare updates, not only
+    losses: an update scaled wrongly by a group size is invisible in a clipped run's losses)."""
+    record = RecordParameters()
+    trainer_kwargs = dict(kwargs.pop("trainer_kwargs", None) or {})
+    trainer_kwargs["callbacks"] = list(trainer_kwargs.get("callbacks", [])) + [record]
+    out = fit_tiny_gpt(strategy_kwargs, max_steps=max_steps, trainer_kwargs=trainer_kwargs,
+                       module_kwargs=module_kwargs, **kwargs)
+    out["params"] = record.after_step if int(__import__("os").environ["RANK"]) == 0 else None
+    return out
+
+
+def assert_same_updates(got, ref, rtol=1e-5, atol=1e-6):
+    """Parameters after every step equal the single process's (so every gradient and update did)."""
+    assert len(got) == len(ref)
+    for step, (params, ref_params) in enumerate(zip(got, ref)):
+        assert params.keys() == ref_params.keys()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+
+
+class AuxLoggingGPT(TinyGPT):
+    """Logs the MoE balancing losses of each micro-batch's forward, whole-sequence values (summed over the
+    tp-cp ranks that each hold a share of the tokens), as a user would."""
+
+    def training_step(self, batch, batch_idx):
+        from lightning_megatron.moe import collect_aux_losses
+        from lightning_megatron.parallel import get_parallel_state
+
+        loss = super().training_step(batch, batch_idx)
+        for name, value in collect_aux_losses(self, group=get_parallel_state().group("tp-cp")).items():
+            self.log(name, value, sync_dist=True)
+        return loss

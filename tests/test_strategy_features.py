@@ -105,7 +105,7 @@ def _fit_error(kwargs, trainer_kwargs=None, global_batch_size=8):
 
 
 @pytest.mark.parametrize("world, kwargs, trainer_kwargs, batch, match", [
-    (3, dict(tensor_model_parallel_size=2), None, 6, "world_size=3 is not divisible by tp*cp*pp"),
+    (3, dict(tensor_model_parallel_size=2), None, 6, "world_size=3 (the number of processes: devices × num_nodes) is not divisible by tensor_model_parallel_size"),
     (2, dict(pipeline_model_parallel_size=2, micro_batch_size=3), None, 8,
      "micro_batch_size=3 does not divide"),
     (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, micro_batch_size=4), None, 4,
@@ -255,3 +255,32 @@ def test_stop_at_step_k_and_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_
         assert len(straight) == 8
         for step, losses in resumed.items():   # mid-epoch (2) and mid second epoch (5)
             assert losses == straight[step:], step
+
+
+def _stop_and_resume_with_dropout(kwargs, folder, step):
+    """Uninterrupted 8 steps with dropout 0.1, checkpointing every step; then resume from ``step``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    world = os.environ["WORLD_SIZE"]
+    every_step = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    straight = fit_tiny_gpt(kwargs, max_steps=8, dataset_size=32, module_cls=AdamGPT,
+                            module_kwargs=dict(dropout=0.1),
+                            trainer_kwargs=dict(enable_checkpointing=True, callbacks=[every_step]))["losses"]
+    os.environ["WORLD_SIZE"] = world
+    resumed = fit_tiny_gpt(kwargs, max_steps=8, dataset_size=32, module_cls=AdamGPT, module_kwargs=dict(dropout=0.1),
+                           resume_from=os.path.join(folder, f"step={step}.ckpt"))["losses"]
+    return straight, resumed
+
+
+@pytest.mark.parametrize("world, kwargs, step", [
+    (1, dict(), 3),
+    (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=2), 3),
+    (2, dict(tensor_model_parallel_size=2), 5),   # in the second epoch
+])
+def test_resume_with_dropout_draws_the_same_masks(tmp_path, world, kwargs, step):
+    """Dropout masks after a resume are those of the uninterrupted run: the RNG state restored from
+    the checkpoint is not shifted by building the DataLoader iterator of the resumed epoch."""
+    for straight, resumed in run_on_ranks(_stop_and_resume_with_dropout, world, kwargs, str(tmp_path / "ckpts"),
+                                          step, timeout=300):
+        assert len(straight) == 8
+        assert resumed == straight[step:]

@@ -12,7 +12,9 @@ Invariance to the micro-batch count: the loss is not added to the user's loss; i
 is injected during backward by :class:`AttachAuxLoss` and multiplied by the router's
 ``aux_loss_scale``. The training loop sets it with :func:`set_aux_loss_scale` to the factor its
 main loss is multiplied by (``1 / num_microbatches``, times any loss scale), so the summed
-gradient over micro-batches is the mean, as for the main loss.
+gradient over micro-batches is the mean, as for the main loss. Under context parallelism the
+gradients are averaged over the cp ranks (each holds a per-token mean of its share), while the
+balancing losses are partial sums over them: the scale is then multiplied by the cp size.
 """
 
 from __future__ import annotations
