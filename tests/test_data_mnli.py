@@ -155,3 +155,44 @@ def test_shipped_sample_is_what_the_script_writes(tmp_path):
     assert sum(e.label == 0 for e in train) == 200
     mismatched_genres = {e.genre for e in read_mnli(files["dev_mismatched"]).examples}
     assert mismatched_genres.isdisjoint({e.genre for e in train})
+
+
+@pytest.mark.parametrize("name, write", [
+    ("train.tsv", lambda p, rows: write_tsv(p, TRAIN_HEADER, [tsv_row(i, a, b, ["neutral"] * 2) for i, (a, b) in
+                                                              enumerate(rows)])),
+    ("multinli_1.0_train.jsonl", lambda p, rows: write_jsonl(p, [json.dumps(jsonl_obj(a, b, "neutral"),
+                                                                            ensure_ascii=False) for a, b in rows])),
+])
+def test_undecodable_bytes_name_file_and_line(tmp_path, name, write):
+    path = write(tmp_path / name, [("A cat sat.", "A cat sat."), ("Caf\u00e9 one.", "Caf\u00e9 two."), ("C.", "D.")])
+    data = open(path, "rb").read().replace("Caf\u00e9 two".encode(), "Caf\u00e9 two".encode("latin-1"))
+    open(path, "wb").write(data)
+    line = 3 if name.endswith(".tsv") else 2
+    with pytest.raises(DataFormatError, match=rf"{name}, line {line}: byte 0xe9 at byte \d+ of the line is not "
+                                              r"UTF-8.*iconv"):
+        read_mnli(path)
+
+
+def test_training_and_dev_files_need_the_label_column(tmp_path):
+    headers = {"train": TRAIN_HEADER[:-1], "dev_matched": DEV_HEADER, "dev_mismatched": DEV_HEADER}
+    for split, header in headers.items():
+        labels = ["neutral"] * (len(header) - 10)
+        write_tsv(tmp_path / f"{split}.tsv", header, [tsv_row(0, "A cat sat.", "A cat sat.", labels)])
+    assert read_mnli(tmp_path / "train.tsv").examples[0].label is None    # unlabeled files still read
+    with pytest.raises(DataFormatError, match=r"train\.tsv, line 1: the header has no gold_label column.*"
+                                              r"training and validation need labels"):
+        read_mnli(tmp_path / "train.tsv", require_labels=True)
+    with pytest.raises(DataFormatError, match=r"train\.tsv, line 1: the header has no gold_label column"):
+        MNLIDataModule(str(tmp_path), tokenizer=SAMPLE_DIR, batch_size=1).setup("fit")
+    write_tsv(tmp_path / "train.tsv", TRAIN_HEADER, [tsv_row(0, "A cat sat.", "A cat sat.", ["neutral"] * 2)])
+    write_tsv(tmp_path / "dev_mismatched.tsv", TEST_HEADER, [tsv_row(0, "A cat sat.", "A cat sat.", [])])
+    with pytest.raises(DataFormatError, match=r"dev_mismatched\.tsv, line 1: the header has no gold_label column"):
+        MNLIDataModule(str(tmp_path), tokenizer=SAMPLE_DIR, batch_size=1).setup("validate")
+
+
+def test_jsonl_training_row_without_label(tmp_path):
+    unlabeled = {k: v for k, v in jsonl_obj("A.", "B.", "neutral").items() if k != "gold_label"}
+    path = write_jsonl(tmp_path / "multinli_1.0_train.jsonl", [jsonl_obj("A.", "B.", "neutral"), unlabeled])
+    with pytest.raises(DataFormatError, match=r"multinli_1\.0_train\.jsonl, line 2: missing field\(s\) "
+                                              r"\['gold_label'\]"):
+        read_mnli(path)

@@ -88,3 +88,24 @@ def test_missing_folders_and_bad_arguments(tmp_path):
         read_race(str(tmp_path), "dev", levels=["middle"])
     with pytest.raises(ValueError, match=r"split='valid'"):
         read_race(str(tmp_path), "valid")
+
+
+def test_undecodable_bytes_name_file_and_line(tmp_path):
+    good = json.dumps(passage("ok.txt")) + "\n"
+    bad = json.dumps(passage("bad.txt", article="Caf\u00e9 de Paris."), ensure_ascii=False)
+    folder = tmp_path / "train" / "high"
+    folder.mkdir(parents=True)
+    (folder / "1.txt").write_bytes((good + bad + "\n").encode("latin-1"))
+    with pytest.raises(DataFormatError, match=r"1\.txt, line 2: byte 0xe9 at byte 34 of the line is not UTF-8.*iconv"):
+        read_race(str(tmp_path), "train", levels=["high"])
+
+
+@pytest.mark.parametrize("changes, problem", [
+    (dict(answers=None), r"answers must be a list"),
+    (dict(answers=["A", ""]), r"question 1: answer '' is not one of 'A', 'B', 'C', 'D'"),
+    (dict(answers=["A", None]), r"question 1: answer None is not one of"),
+])
+def test_training_question_without_answer(tmp_path, changes, problem):
+    root = write_race(tmp_path, {("train", "middle", "1.txt"): passage("1.txt", **changes)})
+    with pytest.raises(DataFormatError, match=r"1\.txt, line 1: " + problem):
+        read_race(root, "train", levels=["middle"])

@@ -95,7 +95,8 @@ class MNLIDataModule(_TaskDataModule):
         for split in wanted:
             if split in self.datasets:
                 continue
-            read = read_mnli(files[split], skip_no_consensus=self.skip_no_consensus)
+            # every split is trained or validated on: a file without labels would count for nothing
+            read = read_mnli(files[split], skip_no_consensus=self.skip_no_consensus, require_labels=True)
             if read.skipped_lines:
                 rank_zero_info(f"MNLI {os.path.basename(files[split])}: left out {len(read.skipped_lines)} pairs "
                                "whose gold label is '-' (no annotator majority), as the official evaluation does.")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import List, NamedTuple, Optional
 
 from .errors import DataFormatError
+from .text import utf8_lines
 
 # Class index of each label: Megatron-LM's order (tasks/glue/mnli.py).
 MNLI_LABELS = ("contradiction", "entailment", "neutral")
@@ -46,14 +47,18 @@ class MNLIFile(NamedTuple):
     skipped_lines: List[int]    # rows left out because their gold label was '-' (skip_no_consensus)
 
 
-def read_mnli(path: str, skip_no_consensus: bool = False) -> MNLIFile:
-    """Read a GLUE ``.tsv`` or a MultiNLI ``.jsonl`` file (chosen by the file's extension)."""
+def read_mnli(path: str, skip_no_consensus: bool = False, require_labels: bool = False) -> MNLIFile:
+    """Read a GLUE ``.tsv`` or a MultiNLI ``.jsonl`` file (chosen by the file's extension).
+
+    ``require_labels``: raise on a TSV without a ``gold_label`` column (training and validation
+    read files this way; an unlabeled file would be all ignored labels). JSONL rows always need one.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"MNLI file {path} not found; pass GLUE's MNLI folder (train.tsv, dev_matched.tsv, "
                                 "dev_mismatched.tsv) or the MultiNLI 1.0 folder (multinli_1.0_*.jsonl).")
     if path.endswith(".tsv"):
-        return read_mnli_tsv(path, skip_no_consensus)
+        return read_mnli_tsv(path, skip_no_consensus, require_labels)
     if path.endswith(".jsonl"):
         return read_mnli_jsonl(path, skip_no_consensus)
     raise ValueError(f"{path}: unknown MNLI file type; expected GLUE's .tsv or MultiNLI's .jsonl.")
@@ -80,20 +85,32 @@ def _texts(premise: object, hypothesis: object, path: str, line: int) -> tuple:
     return premise.strip(), hypothesis.strip()
 
 
-def read_mnli_tsv(path: str, skip_no_consensus: bool = False) -> MNLIFile:
-    """GLUE's MNLI TSV; a file without a ``gold_label`` column (test) gives ``label=None``."""
+def _tsv_columns(header: List[str], path: str, require_labels: bool) -> dict:
+    """Column index by header name; checks the columns the reader (and, if asked, training) needs."""
+    missing = [c for c in ("sentence1", "sentence2") if c not in header]
+    if missing:
+        raise DataFormatError(path, 1, f"the header lacks column(s) {missing}; expected GLUE's MNLI header "
+                                       f"(index, promptID, pairID, genre, ..., sentence1, sentence2, ..., "
+                                       f"gold_label), got {header}.")
+    if require_labels and "gold_label" not in header:
+        raise DataFormatError(path, 1, "the header has no gold_label column, so no row has a label, but training "
+                                       "and validation need labels; use GLUE's labelled train.tsv / dev_*.tsv "
+                                       "(their header ends with gold_label). Unlabeled files such as "
+                                       "test_matched.tsv are read with read_mnli(path) for prediction only.")
+    return {name: i for i, name in enumerate(header)}
+
+
+def read_mnli_tsv(path: str, skip_no_consensus: bool = False, require_labels: bool = False) -> MNLIFile:
+    """GLUE's MNLI TSV; a file without a ``gold_label`` column (test) gives ``label=None``, or raises
+    with ``require_labels``."""
     examples: List[MNLIExample] = []
     skipped: List[int] = []
-    with open(path, encoding="utf-8", newline="") as f:
-        header = f.readline().rstrip("\r\n").split("\t")
-        missing = [c for c in ("sentence1", "sentence2") if c not in header]
-        if missing:
-            raise DataFormatError(path, 1, f"the header lacks column(s) {missing}; expected GLUE's MNLI header "
-                                           f"(index, promptID, pairID, genre, ..., sentence1, sentence2, ..., "
-                                           f"gold_label), got {header}.")
-        col = {name: i for i, name in enumerate(header)}
+    with open(path, "rb") as f:
+        lines = utf8_lines(f, path)
+        header = next(lines, (1, ""))[1].rstrip("\r\n").split("\t")
+        col = _tsv_columns(header, path, require_labels)
         labelled = "gold_label" in col
-        for line_no, line in enumerate(f, start=2):
+        for line_no, line in lines:
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue    # a blank line holds no row (e.g. a trailing newline)
@@ -118,8 +135,8 @@ def read_mnli_jsonl(path: str, skip_no_consensus: bool = False) -> MNLIFile:
     """MultiNLI 1.0 JSONL: ``sentence1``, ``sentence2``, ``gold_label`` per line."""
     examples: List[MNLIExample] = []
     skipped: List[int] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, line in utf8_lines(f, path):
             if not line.strip():
                 continue
             try:

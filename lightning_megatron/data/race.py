@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 from .errors import DataFormatError
+from .text import read_utf8
 
 NUM_CHOICES = 4
 RACE_SPLITS = ("train", "dev", "test")
@@ -41,8 +42,7 @@ def _parses(line: str) -> bool:
 
 def _objects(path: str) -> Iterator[Tuple[int, object]]:
     """``(line, object)`` pairs: the whole file as one JSON value, else one value per line."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_utf8(path)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as whole:
