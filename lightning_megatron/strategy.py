@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
@@ -155,6 +155,11 @@ class MegatronStrategy(ParallelStrategy):
         self._final_optimizer_states: Dict[int, FullOptimizerView] = {}    # gathered at the end of fit
         self._layout: Optional[Dict[str, Any]] = None                   # sizes, for checkpoints
         self.order = order
+        if sequence_parallel and self.tp == 1:
+            rank_zero_warn("sequence_parallel=True does nothing with tensor_model_parallel_size=1 (it shards "
+                           "activations over tensor-parallel ranks): turned off. Set "
+                           "tensor_model_parallel_size >= 2 to use it.")
+            sequence_parallel = False
         self.sequence_parallel = sequence_parallel
         self.micro_batch_size = micro_batch_size
         self.microbatch_group_size_per_vp_stage = microbatch_group_size_per_vp_stage

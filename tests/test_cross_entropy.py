@@ -80,7 +80,7 @@ def _bad_arguments():
     try:
         vocab_parallel_cross_entropy(logits, torch.tensor([0, 16]), vocab_size=16)
         errors.append(None)
-    except RuntimeError as err:
+    except ValueError as err:
         errors.append(str(err))
     return errors
 
@@ -92,4 +92,4 @@ def test_bad_arguments_are_named():
     assert "vocab_size=17 must be in [1, 16]" in size
     assert "label_smoothing must be in [0, 1)" in smoothing
     assert "must agree on every dimension but the last" in shape
-    assert "target outside [0, vocab_size)" in target
+    assert "label 16 is outside the vocabulary [0, vocab_size=16)" in target

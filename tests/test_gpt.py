@@ -115,4 +115,4 @@ def _heads_not_divisible():
 def test_heads_not_divisible_by_tp_is_named_on_every_rank():
     out = run_on_ranks(_heads_not_divisible, 4, timeout=60)
     assert all(o == out[0] for o in out)
-    assert "num_attention_heads=2 is not divisible by the tensor-parallel size 4" in out[0]
+    assert "num_attention_heads=2 is not divisible by tensor_model_parallel_size=4" in out[0]

@@ -74,7 +74,7 @@ def _error_on_every_rank(kwargs, state_kwargs):
 
 
 @pytest.mark.parametrize("kwargs, state_kwargs, match", [
-    (dict(world_size=4, tp=3), {}, "world_size=4 is not divisible by tp*cp*pp"),
+    (dict(world_size=4, tp=3), {}, "is not divisible by tensor_model_parallel_size (tp)=3"),
     (dict(world_size=4, cp=2, order="tp-dp-pp"), {}, "lacks 'cp'"),
     (dict(world_size=8, tp=2), {}, "does not match the running world of 4 processes"),
     (dict(world_size=4, tp=2), dict(virtual_pipeline_size=2), "needs pipeline parallelism"),

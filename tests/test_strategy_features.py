@@ -284,3 +284,12 @@ def test_resume_with_dropout_draws_the_same_masks(tmp_path, world, kwargs, step)
                                           step, timeout=300):
         assert len(straight) == 8
         assert resumed == straight[step:]
+
+
+def test_sequence_parallel_without_tensor_parallelism_warns_and_is_off():
+    from lightning_megatron import MegatronStrategy
+
+    with pytest.warns(UserWarning, match="sequence_parallel=True does nothing with tensor_model_parallel_size=1"):
+        strategy = MegatronStrategy(sequence_parallel=True)
+    assert strategy.sequence_parallel is False
+    assert MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True).sequence_parallel is True

@@ -45,6 +45,11 @@ DENSE = {
     "dp2cp2-distopt": (4, dict(context_parallel_size=2, use_distributed_optimizer=True, overlap_grad_reduce=True,
                                **SMALL_BUCKETS)),
     "dp2tp2sp-distopt": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True)),
+    # CUDA-graph bookkeeping (capture, static buffers, replay order) with the eager backend
+    "pp2-partial-graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
+                                   cuda_graph_backend="eager")),
+    "dp2tp2-full-graph": (4, dict(tensor_model_parallel_size=2, micro_batch_size=2, cuda_graph="full",
+                                  cuda_graph_backend="eager")),
     "dp2pp2-distopt-gather": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                                       use_distributed_optimizer=True, overlap_param_gather=True)),
 }
@@ -80,6 +85,7 @@ MOE = {
     "cp2": (2, dict(context_parallel_size=2), "alltoall"),
     "tp2cp2sp": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True), "alltoall"),
     "cp2ep2": (2, dict(context_parallel_size=2, expert_model_parallel_size=2), "alltoall"),
+    "tp2etp1": (2, dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "alltoall"),  # edp2, dp1
     "tp2ep2etp1": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                            expert_tensor_parallel_size=1), "alltoall"),
     "pp2ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2), "alltoall"),

@@ -166,16 +166,19 @@ def test_context_and_expert_parallel_fold_over_the_same_ranks():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(world_size=16, tp=3), r"world_size=16 is not divisible by tp\*cp\*pp = 3\*1\*1 = 3"),
-    (dict(world_size=8, tp=2, cp=2, pp=4), r"tp\*cp\*pp = 2\*2\*4 = 16"),
-    (dict(world_size=8, tp=2, ep=8), r"not divisible by etp\*ep\*pp = 2\*8\*1 = 16"),
+    (dict(world_size=16, tp=3), r"world_size=16 .* is not divisible by tensor_model_parallel_size \(tp\)=3 × "
+     r"context_parallel_size \(cp\)=1 × pipeline_model_parallel_size \(pp\)=1 = 3"),
+    (dict(world_size=8, tp=2, cp=2, pp=4), r"\(tp\)=2 × context_parallel_size \(cp\)=2 × "
+     r"pipeline_model_parallel_size \(pp\)=4 = 16"),
+    (dict(world_size=8, tp=2, ep=8), r"not divisible by expert_tensor_parallel_size \(etp\)=2 × "
+     r"expert_model_parallel_size \(ep\)=8 × pipeline_model_parallel_size \(pp\)=1 = 16"),
     (dict(world_size=8, tp=0), r"tp must be >= 1, got 0"),
     (dict(world_size=8, pp=-2), r"pp must be >= 1"),
     (dict(world_size=8, tp=2.0), r"tp must be a positive integer, got 2.0 \(float\)"),
     (dict(world_size=8, ep="2"), r"ep must be a positive integer, got '2' \(str\)"),
     (dict(world_size=8, cp=True), r"cp must be a positive integer, got True \(bool\)"),
     (dict(world_size=0), r"world_size must be >= 1"),
-    (dict(world_size=8, etp=3), r"etp\*ep\*pp = 3\*1\*1 = 3"),
+    (dict(world_size=8, etp=3), r"\(etp\)=3 × expert_model_parallel_size \(ep\)=1 × .* = 3"),
     (dict(world_size=8, order="tp-xp-dp-pp"), r"unknown axes \['xp'\]"),
     (dict(world_size=8, order="tp-dp-tp-pp"), r"repeats axes \['tp'\]"),
     (dict(world_size=8, order=""), r"order must be a string"),
@@ -219,4 +222,4 @@ def test_layout_printer_prints_groups(capsys):
 
 def test_layout_printer_reports_bad_configuration(capsys):
     assert print_layout(["--world-size", "6", "--tp", "4"]) == 2
-    assert "not divisible by tp*cp*pp" in capsys.readouterr().err
+    assert "not divisible by tensor_model_parallel_size (tp)=4" in capsys.readouterr().err

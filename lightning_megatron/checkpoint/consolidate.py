@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..parallel import get_parallel_state, has_parallel_state
 from . import folder
 from .entries import Entry, Modules, check_entries, model_entries, unexpected_keys
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, IncompleteCheckpointError
 from .keys import MODEL, model_key
 from .placement import whole
 from .planner import PieceLoadPlanner
@@ -68,7 +68,19 @@ def load_consolidated(file: Union[str, os.PathLike], model_modules: Modules, str
     Every rank reads the file (memory-mapped) and copies only the boxes it holds, so it works at
     any TP/PP/VPP/EP layout. Not collective; every rank checks the same keys and shapes.
     """
-    full = torch.load(os.fspath(file), map_location="cpu", mmap=True, weights_only=True)
+    file = os.fspath(file)
+    try:
+        full = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a stray file: say what it should have been
+        reason = (str(err).splitlines() or [""])[0][:120]
+        raise IncompleteCheckpointError(folder.not_a_checkpoint_folder(
+            file, f"it is a file, and not one that consolidate writes: torch.load failed with "
+                  f"{type(err).__name__}: {reason}")) from err
+    if not isinstance(full, dict) or not all(isinstance(t, torch.Tensor) for t in full.values()):
+        held = ("a Lightning checkpoint of another strategy" if isinstance(full, dict) and "state_dict" in full
+                else f"a {type(full).__name__}")
+        raise IncompleteCheckpointError(folder.not_a_checkpoint_folder(
+            file, f"it is a file holding {held}, not the {{name: tensor}} dict that consolidate writes"))
     model = model_entries(model_modules, prefix)
     shapes = {model_key(name): tuple(t.shape) for name, t in full.items()}
     problem = check_entries(model.by_name.values(), shapes, strict)

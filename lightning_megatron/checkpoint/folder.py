@@ -75,6 +75,21 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
+SHARD_SUFFIX = ".distcp"
+
+
+def not_a_checkpoint_folder(path: str, what_it_is: str) -> str:
+    """The message for a path that is no sharded checkpoint folder: what one looks like and how to get one."""
+    return (f"{path} is not a lightning-megatron sharded checkpoint folder ({what_it_is}). A checkpoint is a folder "
+            f"holding a {METADATA_FILE} file and shard files named __<rank>_<n>{SHARD_SUFFIX}; a ModelCheckpoint "
+            f"callback or trainer.save_checkpoint(path) writes one while training with MegatronStrategy (save_sharded "
+            f"without Lightning), and trainer.fit(ckpt_path=...) resumes from it. A single file written by "
+            f"lightning_megatron.checkpoint.consolidate holds model weights only: trainer.validate/test/predict "
+            f"(ckpt_path=...) read it; to train from it, load it with "
+            f"lightning_megatron.checkpoint.load_consolidated(file, model) once the model is built and call "
+            f"trainer.fit without ckpt_path.")
+
+
 def check_folder(path: str) -> Metadata:
     """The DCP metadata of a finished checkpoint folder, or an error that says what is wrong."""
     path = os.fspath(path)
@@ -92,14 +107,15 @@ def check_folder(path: str) -> Metadata:
             hint = f" A save to it was interrupted ({staging_path(path)} is left over); load an earlier checkpoint."
         raise FileNotFoundError(f"no checkpoint at {path}.{hint}")
     if not os.path.isdir(path):
-        raise IncompleteCheckpointError(
-            f"{path} is a file, not a sharded checkpoint folder; load a consolidated file with "
-            f"lightning_megatron.checkpoint.load_consolidated.")
+        raise IncompleteCheckpointError(not_a_checkpoint_folder(path, "it is a file"))
     metadata_file = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(metadata_file):
+        if not any(name.endswith(SHARD_SUFFIX) for name in os.listdir(path)):
+            raise IncompleteCheckpointError(not_a_checkpoint_folder(
+                path, f"it has neither a {METADATA_FILE} file nor {SHARD_SUFFIX} shard files"))
         raise IncompleteCheckpointError(
-            f"{metadata_file} is missing: {path} is not a finished sharded checkpoint (an interrupted save, a "
-            f"partial copy, or another format).")
+            f"{metadata_file} is missing: {path} holds shard files but is not a finished sharded checkpoint (an "
+            f"interrupted save or a partial copy); use another checkpoint or copy this one again.")
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import folder
 from .collective import agree, rank
 from .entries import Entry, Modules, as_list, check_entries, model_entries, unexpected_keys
-from .errors import CheckpointError, CheckpointMismatchError, summarize_failures
+from .errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError, summarize_failures
 from .info import layout_info
 from .keys import EXTRA_STATE, INFO, param_groups_key, rank_state_key
 from .optimizer import OptimizerLoad, hyperparameters, optimizer_entries
@@ -84,8 +84,9 @@ def load_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimize
     """
     path = os.fspath(path)
     if os.path.isfile(path):
-        if as_list(optimizers):
-            raise ValueError(f"{path} is a consolidated file, which holds model weights only; pass optimizers=None.")
+        if as_list(optimizers):   # resuming (trainer.fit(ckpt_path=...)) needs the optimizer state of a folder
+            raise IncompleteCheckpointError(folder.not_a_checkpoint_folder(
+                path, "it is a file, and resuming training needs the optimizer and trainer state of a folder"))
         from .consolidate import load_consolidated
         load_consolidated(path, model_modules, strict=strict, prefix=prefix)
         return None

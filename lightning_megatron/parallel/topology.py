@@ -154,13 +154,29 @@ class RankGenerator:
         return f"RankGenerator({sizes}, order={self.order!r})"
 
 
+def _world_size_message(world: int, sizes: Sequence[Tuple[str, str, int]], why: str) -> str:
+    """``world_size`` not divisible by a product of sizes: each size by the strategy's argument name
+    (and ``ParallelLayout``'s short one), the product, why it must divide, and the ways out."""
+    product = 1
+    for _, _, value in sizes:
+        product *= value
+    factors = " × ".join(f"{long} ({short})={value}" for long, short, value in sizes)
+    divisors = sorted({d for i in range(1, int(world ** 0.5) + 1) if world % i == 0 for d in (i, world // i)})
+    near = [max(d for d in divisors if d < product)] + [d for d in divisors if d > product][:1]
+    return (f"world_size={world} (the number of processes: devices × num_nodes) is not divisible by "
+            f"{factors} = {product}: {why}. Run on a multiple of {product} processes, or choose sizes whose "
+            f"product divides {world} (e.g. {' or '.join(map(str, near))}).")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Every process group of a world laid out for tp/cp/dp/pp (dense) and etp/ep/edp/pp (experts).
 
     ``dp = world_size / (tp*cp*pp)`` and ``edp = world_size / (etp*ep*pp)``; ``etp`` defaults
-    to ``tp``. All validation happens here, before any process group exists, so every rank
-    raises the same error.
+    to ``tp``. The short names are the strategy's ``tensor_model_parallel_size``,
+    ``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size`` and
+    ``expert_tensor_parallel_size``; errors give both. All validation happens here, before any
+    process group exists, so every rank raises the same error.
     """
 
     world_size: int
@@ -183,17 +199,17 @@ class ParallelLayout:
 
         dense = self.tp * self.cp * self.pp
         if world % dense:
-            raise ParallelConfigError(
-                f"world_size={world} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*{self.pp} "
-                f"= {dense}; use a world size that is a multiple of {dense} or smaller sizes."
-            )
+            raise ParallelConfigError(_world_size_message(
+                world, (("tensor_model_parallel_size", "tp", self.tp), ("context_parallel_size", "cp", self.cp),
+                        ("pipeline_model_parallel_size", "pp", self.pp)),
+                "the data-parallel size, world_size / (tp × cp × pp), must be a whole number"))
         expert = self.etp * self.ep * self.pp
         if world % expert:
-            raise ParallelConfigError(
-                f"world_size={world} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*{self.pp} "
-                f"= {expert}; choose ep and etp (etp defaults to tp) so that their product with pp "
-                f"divides {world}."
-            )
+            raise ParallelConfigError(_world_size_message(
+                world, (("expert_tensor_parallel_size", "etp", self.etp), ("expert_model_parallel_size", "ep", self.ep),
+                        ("pipeline_model_parallel_size", "pp", self.pp)),
+                "the expert data-parallel size, world_size / (etp × ep × pp), must be a whole number; "
+                "expert_tensor_parallel_size (etp) defaults to tensor_model_parallel_size (tp)"))
         for axis, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp),
                            ("ep", self.ep), ("tp", self.etp), ("dp", self.edp)):
             if size > 1 and axis not in axes:

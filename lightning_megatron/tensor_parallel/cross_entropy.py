@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .mappings import all_reduce, resolve_group
+from .token_ids import check_ids_in_vocab
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -91,8 +92,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(vocab_parallel_logits.shape)} and target {tuple(target.shape)} "
                          "must agree on every dimension but the last.")
-    valid = (target == ignore_index) | ((target >= 0) & (target < vocab_size))
-    torch._assert_async(valid.all(), "vocab_parallel_cross_entropy: target outside [0, vocab_size)")
+    # before any communication, so every tp rank raises it; on the host on the CPU, on the device on CUDA
+    check_ids_in_vocab(target, vocab_size, what="label", padded_vocab_size=padded, ignore_index=ignore_index)
     if dist.get_world_size(group) == 1:
         # one shard holds the whole vocabulary: PyTorch's fused kernel, in float32 like the tp path
         logits = vocab_parallel_logits[..., :vocab_size].float()

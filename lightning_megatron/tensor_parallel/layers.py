@@ -22,6 +22,7 @@ from .mappings import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, resolve_group, scatter_to_tensor_parallel_region,
 )
+from .token_ids import check_ids_in_vocab
 from .utils import divide, set_tensor_model_parallel_attributes, vocab_range
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -191,17 +192,25 @@ class VocabParallelEmbedding(_TensorParallelModule):
     ``[s, b]``, to get ``[s/tp, b, h]``). ``num_embeddings`` must divide by tp: pad it with
     ``pad_vocab_size`` and pass the real ``vocab_size``: rows past it start at zero, so the
     real rows hold the same numbers whatever the padding (and so whatever the tp size).
+
+    Ids outside ``[0, vocab_size)`` (padding rows included) raise a ``ValueError`` naming the id
+    and ``vocab_size``, before any communication, so every tp rank raises it. On the CPU always;
+    on CUDA the check stays on the device (no host sync per step, but only a generic
+    device-side assert) unless ``check_ids=True`` or ``LIGHTNING_MEGATRON_CHECK_IDS=1`` asks for the
+    host check and its clear error: see ``lightning_megatron.tensor_parallel.token_ids``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_method: Optional[InitMethod] = None,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
-                 group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None,
+                 check_ids: Optional[bool] = None) -> None:
         super().__init__(group)
         if vocab_size is not None and not 0 < vocab_size <= num_embeddings:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, num_embeddings={num_embeddings}].")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_size = vocab_size or num_embeddings
+        self.check_ids = check_ids   # None: on the host on the CPU, on the device on CUDA (see token_ids)
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp_rank, self.tp_size)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         init_method = _real_rows_only(init_method or init_method_normal(), self.vocab_size)
@@ -214,8 +223,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
                           self.tp_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                            "VocabParallelEmbedding: token id outside [0, num_embeddings)")
+        check_ids_in_vocab(ids, self.vocab_size, padded_vocab_size=self.num_embeddings, check=self.check_ids)
         group = self.group
         if self.tp_size > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import get_parallel_state
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide, init_method_normal
-from .config import TransformerConfig
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
+from .config import HEADS_SPLIT, TransformerConfig, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
 
 
@@ -42,7 +42,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp = get_parallel_state().tp_size
         self.config = config
-        self.heads_per_rank = divide(config.num_attention_heads, tp, "num_attention_heads")
+        check_splits_over_tensor_parallel("num_attention_heads", config.num_attention_heads, tp, HEADS_SPLIT)
+        self.heads_per_rank = config.num_attention_heads // tp
         self.head_dim = config.head_dim
         self.layer_number = layer_number
         self.qkv = ColumnParallelLinear(

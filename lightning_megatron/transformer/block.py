@@ -28,6 +28,7 @@ class TransformerBlock(nn.Module):
                  first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
         super().__init__()
         config = with_strategy_defaults(config)
+        config.check_tensor_parallel(get_parallel_state().tp_size)   # before any layer: the user's names
         self.config = config
         build = layer_factory or (lambda index: TransformerLayer(config, index + 1))
         self.layers, self.layer_indices = build_stage_layers(

@@ -12,6 +12,9 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LAYERNORM_ORDERS = ("pre", "post")
 MASK_TYPES = ("causal", "padding")
+# why each size must divide by the tensor-parallel size (said in the error)
+HEADS_SPLIT = "each tensor-parallel rank holds whole heads"
+FFN_SPLIT = "each tensor-parallel rank holds an equal slice of the MLP's hidden units"
 
 
 @dataclass
@@ -78,6 +81,24 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
 
     @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer has the dense MLP (not all of them are mixture-of-experts layers)."""
+        return self.moe is None or (self.moe_layer_freq > 1 and self.num_layers > 1)
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise, by this config's field name, if a size does not split over ``tp_size`` ranks.
+
+        Called where the config meets the tensor-parallel size (every ``TransformerBlock``, and
+        the attention and MLP layers for direct use), so the error names ``num_attention_heads``
+        or ``ffn_hidden_size`` rather than the internal linear layer sizes they become. The
+        hidden size needs no check of its own: it is a multiple of ``num_attention_heads``.
+        The MoE experts' sizes are checked by the MoE layer (against the expert tp size).
+        """
+        check_splits_over_tensor_parallel("num_attention_heads", self.num_attention_heads, tp_size, HEADS_SPLIT)
+        if self.has_dense_mlp:
+            check_splits_over_tensor_parallel("ffn_hidden_size", self.ffn_hidden_size, tp_size, FFN_SPLIT)
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
@@ -87,6 +108,20 @@ class TransformerConfig:
         if self.scale_output_layer_init:
             return self.init_method_std / (2.0 * self.num_layers) ** 0.5
         return self.init_method_std
+
+
+def check_splits_over_tensor_parallel(name: str, value: int, tp_size: int, why: str) -> None:
+    """``TransformerConfig.<name>=<value>`` must divide by ``tensor_model_parallel_size``, or an error
+    that names both and both ways out (another ``name``, another tp size)."""
+    if value % tp_size == 0:
+        return
+    lower = value - value % tp_size
+    multiples = [v for v in (lower, lower + tp_size) if v > 0]
+    divisors = [d for d in range(2, tp_size) if value % d == 0][-2:] or [1]
+    raise ValueError(
+        f"TransformerConfig.{name}={value} is not divisible by tensor_model_parallel_size={tp_size}: {why}. "
+        f"Use a {name} that is a multiple of {tp_size} (e.g. {' or '.join(map(str, multiples))}), or a "
+        f"tensor_model_parallel_size that divides {value} (e.g. {' or '.join(map(str, divisors))}).")
 
 
 def with_strategy_defaults(config: TransformerConfig) -> TransformerConfig:

@@ -11,13 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
-from .config import TransformerConfig
+from .config import FFN_SPLIT, TransformerConfig, check_splits_over_tensor_parallel
 
 
 class MLP(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        check_splits_over_tensor_parallel("ffn_hidden_size", config.ffn_hidden_size, get_parallel_state().tp_size,
+                                          FFN_SPLIT)
         self.activation = config.activation
         gated = config.activation == "swiglu"
         self.fc1 = ColumnParallelLinear(
