@@ -99,7 +99,8 @@ def _bert_export(root):
 
 
 def test_bert_checkpoint_exports_to_hugging_face(tmp_path):
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors   # a declared dependency: missing, it must fail, not skip
+
     run_on_ranks(_bert_export, 2, str(tmp_path), timeout=120)
     direct = safetensors.load_file(str(tmp_path / "direct" / "model.safetensors"))
     exported = safetensors.load_file(str(tmp_path / "exported" / "model.safetensors"))

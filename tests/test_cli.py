@@ -1,5 +1,6 @@
 """``python -m lightning_megatron fit --config ...`` as a user runs it, on 1 and on 2 CPU ranks."""
 
+import math
 import os
 import re
 import subprocess
@@ -34,7 +35,10 @@ def test_cli_runs_the_yaml_recipe_and_tensor_parallel_matches(tmp_path):
 
 def test_strategy_by_name_in_yaml(tmp_path):
     out = run_cli("--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "megatron")
-    assert float(out["train_loss"]) > 0
+    # It trains (GPTModel runs only under the megatron strategy's process groups): a model that predicts
+    # uniformly scores ln(64) = 4.16 nats; 6 steps bring it to ~3.7 (with lr 0 it stays at ~4.2).
+    uniform = math.log(64)
+    assert float(out["train_loss"]) < uniform - 0.3 and float(out["val_loss"]) < uniform - 0.3, out
 
 
 def test_cli_moe_recipe_with_expert_parallelism_and_echo_matches_one_rank(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from lightning_megatron.__main__ import main
+from test_finetune_mnli import write_easy_mnli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -39,15 +40,18 @@ def test_table6_defaults_in_the_paper_recipes():
 
 
 def test_tiny_recipe_runs_and_prints_dev_accuracy(tmp_path):
-    # the random-init branch of the recipe (MiniLM fine-tuning is covered in test_finetune_mnli.py)
+    # the random-init branch of the recipe (MiniLM fine-tuning is covered in test_finetune_mnli.py), at its
+    # learning rate, on data it learns in 16 steps (one epoch of 512 pairs)
+    write_easy_mnli(tmp_path)
     cmd = [sys.executable, "-m", "lightning_megatron", "fit", "--config", os.path.join(EXAMPLES, "mnli_tiny.yaml"),
-           "--model.pretrained", "null", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
-           "--trainer.limit_val_batches", "1",
-           "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)]
+           "--model.pretrained", "null", "--data.data_dir", str(tmp_path), "--trainer.max_steps", "16",
+           "--trainer.val_check_interval", "16", "--trainer.enable_progress_bar", "false",
+           "--trainer.default_root_dir", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])   # run from tmp_path: logs stay there
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    found = re.search(r"dev accuracy \(epoch 0, step 4\): matched ([\d.]+), mismatched ([\d.]+)", done.stdout)
+    found = re.search(r"dev accuracy \(epoch 0, step 16\): matched ([\d.]+), mismatched ([\d.]+)", done.stdout)
     assert found, done.stdout[-2000:]
-    assert all(0.0 <= float(v) <= 1.0 for v in found.groups())
+    # chance is 1/3: here it scores 1.0 and 0.97; with lr 0 0.27 and 0.31, with random training labels as low
+    assert all(float(v) >= 0.8 for v in found.groups()), found.group(0)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.testing import MultiRankError, run_on_ranks
+from lightning_megatron.testing.multiprocess import MESH_RETRIES
 
 
 def _rank_sum(scale):
@@ -81,27 +82,91 @@ def test_world_size_is_validated(bad):
         run_on_ranks(_env_only, bad)
 
 
-def init_process_group(flag):   # named like torch's: the harness recognises an init-time failure by it
-    if not os.path.exists(flag):
-        open(flag, "w").close()
-        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+# The RuntimeError gloo raises when a pair of its TCP mesh cannot connect (torch 2.13, a peer gone):
+GLOO_MESH_ERROR = ("Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                   "pair.h:311] Connect timeout [none]")
+
+
+def _attempt(log):
+    """Number this rank's attempt (1, 2, ...) by appending to a file of its own that outlives the ranks."""
+    path = f"{log}.rank{os.environ['RANK']}"
+    with open(path, "a") as f:
+        f.write("x")
+    with open(path) as f:
+        return len(f.read())
+
+
+def _attempts(log, world_size):
+    return [len((log.parent / f"{log.name}.rank{rank}").read_text()) for rank in range(world_size)]
+
+
+def _break_gloo_mesh():
+    """Make the next gloo group fail inside torch.distributed the way gloo does, in this rank's process only."""
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(GLOO_MESH_ERROR)
+
+    c10d.ProcessGroupGloo = refuse
+
+
+def _mesh_fails_in_new_group(log, failing_attempts):
+    """Rank 0's gloo mesh breaks inside ``dist.new_group`` (as ParallelState calls it) on the first
+    ``failing_attempts`` attempts; its peers are left waiting in the same new_group."""
+    if dist.get_rank() == 0 and _attempt(log) <= failing_attempts:
+        _break_gloo_mesh()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def _mesh_fails_in_init_process_group(log):
+    """Launcher mode: the failure comes out of ``init_process_group`` (the caller's own, as Lightning's)."""
+    if _attempt(log) == 1:
+        _break_gloo_mesh()
+    dist.init_process_group("gloo")
     return dist.get_rank()
 
 
-def _flaky_mesh(flag):
-    if dist.get_rank() == 0:
-        return init_process_group(flag)
+def _genuine_error_on_first_attempt(log):
+    if _attempt(log) == 1:
+        raise ValueError("a genuine failure")
     return dist.get_rank()
 
 
-def _user_error_mentioning_mesh():
-    raise RuntimeError("Gloo connectFullMesh failed (raised by the function itself)")
+def _mesh_message_raised_by_the_function(log):
+    if _attempt(log) == 1:   # the gloo text, but from the function itself, not from torch.distributed
+        raise RuntimeError(GLOO_MESH_ERROR)
+    return dist.get_rank()
 
 
-def test_a_lost_connection_while_the_world_starts_is_retried_once(tmp_path):
-    assert run_on_ranks(_flaky_mesh, 2, str(tmp_path / "flag"), timeout=60) == [0, 1]
+def test_mesh_failure_inside_new_group_is_retried_with_a_fresh_world(tmp_path):
+    log = tmp_path / "attempts"
+    assert run_on_ranks(_mesh_fails_in_new_group, 2, str(log), 1, timeout=60) == [2, 2]
+    assert _attempts(log, 1) == [2]   # rank 0 ran twice: the whole run was started again
 
 
-def test_failures_of_the_function_are_not_retried():
-    with pytest.raises(MultiRankError, match="raised by the function itself"):
-        run_on_ranks(_user_error_mentioning_mesh, 1, timeout=60)
+def test_mesh_failure_inside_init_process_group_is_retried(tmp_path):
+    log = tmp_path / "attempts"
+    assert run_on_ranks(_mesh_fails_in_init_process_group, 1, str(log), timeout=60, init_process_group=False) == [0]
+    assert _attempts(log, 1) == [2]
+
+
+def test_mesh_failure_is_retried_a_bounded_number_of_times_then_reported(tmp_path):
+    log = tmp_path / "attempts"
+    with pytest.raises(MultiRankError, match=r"connectFullMesh failed on all 3 attempts") as info:
+        run_on_ranks(_mesh_fails_in_new_group, 1, str(log), 99, timeout=60)
+    assert "Gloo connectFullMesh failed with" in str(info.value) and "new_group" in str(info.value)
+    assert _attempts(log, 1) == [1 + MESH_RETRIES]
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_genuine_error_on_first_attempt, "ValueError: a genuine failure"),
+    (_mesh_message_raised_by_the_function, "RuntimeError: Gloo connectFullMesh failed with"),
+])
+def test_failures_of_the_function_are_not_retried(tmp_path, fn, message):
+    log = tmp_path / "attempts"   # the second attempt would succeed: only a retry could hide the failure
+    with pytest.raises(MultiRankError, match=message):
+        run_on_ranks(fn, 2, str(log), timeout=60)
+    assert _attempts(log, 2) == [1, 1]

@@ -5,6 +5,11 @@ rank fails the call with that rank's traceback, a rank that dies without reporti
 with its exit code, and a hang fails it after ``timeout`` seconds (each rank also dumps its
 Python stack to stderr shortly before, so the hang is visible). Survivors are killed, never
 left behind.
+
+One failure is not the function's: on a loaded machine gloo's TCP mesh setup (``connectFullMesh``,
+run by ``init_process_group`` and by every ``new_group``) now and then loses a connection. When a
+rank reports that error, raised from within ``torch.distributed``, the whole run starts again with a
+fresh world, at most ``MESH_RETRIES`` times. Any other failure is reported at once, never retried.
 """
 
 from __future__ import annotations
@@ -27,10 +32,20 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "pyte
                       "lightning_megatron.tensor_parallel"]
 _GRACE_AFTER_ERROR_S = 3.0   # how long other ranks may still report once one has failed
 _GRACE_AFTER_DEATH_S = 5.0   # how long a dead rank's last message may take to arrive (busy CI machines)
+MESH_RETRIES = 2             # fresh starts after gloo's connectFullMesh failure (then the failure is reported)
+# What gloo raises (a RuntimeError) when a pair of its TCP mesh cannot connect, e.g.
+# "Gloo connectFullMesh failed with [.../gloo/transport/tcp/pair.h:311] Connect timeout [none]".
+_GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed with"
 
 
 class MultiRankError(AssertionError):
-    """One or more ranks failed, died or hung; the message holds what each of them reported."""
+    """One or more ranks failed, died or hung; the message holds what each of them reported.
+
+    ``mesh_failure`` is true when a rank failed with gloo's transient connectFullMesh error."""
+
+    def __init__(self, message: str, mesh_failure: bool = False) -> None:
+        super().__init__(message)
+        self.mesh_failure = mesh_failure
 
 
 def _free_port() -> int:
@@ -61,8 +76,9 @@ def _worker(rank: int, world_size: int, init_file: str, port: int, backend: str,
         buffer = io.BytesIO()
         torch.save(result, buffer)
         results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
+        status = "mesh_failure" if _is_gloo_mesh_failure(err) else "error"
+        results.put((rank, status, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
         if dist.is_available() and dist.is_initialized():
@@ -70,6 +86,26 @@ def _worker(rank: int, world_size: int, init_file: str, port: int, backend: str,
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the result is already reported
                 pass
+
+
+def _is_gloo_mesh_failure(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is gloo's connectFullMesh RuntimeError,
+    raised while ``torch.distributed`` set up a group: not an error the run's function raised itself."""
+    import torch.distributed
+
+    dist_dir = os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep
+    seen = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RuntimeError) and _GLOO_CONNECT_FAILURE in str(current):
+            tb = current.__traceback__
+            while tb is not None:
+                if os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(dist_dir):
+                    return True
+                tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -86,17 +122,19 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         raise ValueError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}.")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}.")
-    try:
-        return _run_once(fn, world_size, args, kwargs, timeout, backend, init_process_group, start_method)
-    except MultiRankError as err:
-        # gloo's TCP mesh setup occasionally loses a connection on a loaded machine, before any test
-        # code ran: start the world again once. Failures of the function itself are never retried.
-        if _GLOO_CONNECT_FAILURE not in str(err) or "init_process_group" not in str(err):
-            raise
-    return _run_once(fn, world_size, args, kwargs, timeout, backend, init_process_group, start_method)
-
-
-_GLOO_CONNECT_FAILURE = "Gloo connectFullMesh failed"
+    for attempt in range(MESH_RETRIES + 1):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout, backend, init_process_group, start_method)
+        except MultiRankError as err:
+            # gloo's TCP mesh setup (init_process_group, new_group) occasionally loses a connection on a
+            # loaded machine: start the whole run again with a fresh world, a bounded number of times.
+            # Failures of the function itself are never retried.
+            if not err.mesh_failure:
+                raise
+            if attempt == MESH_RETRIES:
+                raise MultiRankError(f"gloo's connectFullMesh failed on all {MESH_RETRIES + 1} attempts; the "
+                                     f"last one:\n{err}", mesh_failure=True) from None
+    raise AssertionError("unreachable")
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, backend: str,
@@ -136,6 +174,7 @@ def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> 
     deadline = start + timeout
     done: Dict[int, Any] = {}
     failures: Dict[int, str] = {}
+    mesh_failure = False
     died_at: Dict[int, float] = {}
     while len(done) + len(failures) < world_size:
         now = time.monotonic()
@@ -157,6 +196,7 @@ def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> 
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             failures[rank] = payload
+            mesh_failure = mesh_failure or status == "mesh_failure"
             # Peers of a failed rank usually block in a collective: give them a moment, then stop.
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
     for rank, proc in enumerate(procs):   # died without a word while we waited for the others
@@ -167,7 +207,8 @@ def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> 
         parts = [f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures)]
         if silent:
             parts.append(f"ranks {silent} had not finished (killed after the failure above)")
-        raise MultiRankError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(parts))
+        raise MultiRankError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(parts),
+                             mesh_failure=mesh_failure)
     if len(done) < world_size:
         hung = [r for r in range(world_size) if r not in done]
         raise MultiRankError(
