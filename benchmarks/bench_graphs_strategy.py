@@ -80,6 +80,10 @@ class Module(L.LightningModule):
         self.times.append(time.perf_counter() - self._t0)
         self.losses.append(float(outputs["loss"]))
 
+    def on_train_end(self):
+        graphs = self.trainer.strategy.engine.partial_graphs
+        self.graph_stats = graphs.stats() if graphs is not None else None
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
@@ -106,10 +110,10 @@ def main() -> None:
     torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, data)
     if trainer.is_global_zero:
-        graphs = strategy._graphs
+        stats = module.graph_stats
         held = ""
-        if graphs is not None:
-            held = f" graphs={graphs.stats()['graphs']} static_slots={graphs.stats()['static_input_slots']}"
+        if stats is not None:
+            held = f" graphs={stats['graphs']} static_slots={stats['static_input_slots']}"
         print(f"RESULT model={args.model} cuda_graph={args.cuda_graph} pp={args.pp} microbatches={args.microbatches} "
               f"median_step_ms={statistics.median(module.times[3:]) * 1e3:.2f} "
               f"peak_GiB={torch.cuda.max_memory_allocated() / 2**30:.3f}{held}", flush=True)

@@ -11,7 +11,6 @@ then let Lightning clip and step. Lightning's own backward is a no-op: the sched
 
 from __future__ import annotations
 
-import os
 import shutil
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,21 +31,18 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from .checkpoint import load_rank_state, load_sharded, save_sharded
-from .context_parallel import split_for_context_parallel
-from .distributed import (DataParallelGrads, DistributedOptimizer, FullOptimizerView, clip_grad_norm,
-                          default_bucket_size, finalize_model_grads, split_into_microbatches)
+from .distributed import FullOptimizerView
+from .distributed.gradients import GradientState
+from .engine import StepEngine, StepResult
 from .parallel import ParallelLayout, ParallelState
 from .parallel.topology import DEFAULT_ORDER, check_size
-from .moe import set_aux_loss_scale, update_expert_biases
-from .pipeline import resolve_group_size, schedule_order
-from .pipeline.executor import forward_backward
+from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .rng_state import capture_rng_state, restore_rng_state
-from .step_logging import StepLogCapture, broadcast_from_last_stage, replay
+from .step_logging import broadcast_from_last_stage, replay
 from .tensor_parallel.random import seed_tracker
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -132,14 +128,8 @@ class MegatronStrategy(ParallelStrategy):
                              "bookkeeping without graphs, for CPU tests).")
         self.cuda_graph, self.cuda_graph_scope = cuda_graph, cuda_graph_scope
         self.cuda_graph_warmup_steps, self.cuda_graph_backend = cuda_graph_warmup_steps, cuda_graph_backend
-        self._graphs: Any = None
-        self._full_graph: Any = None
-        self._full_step_args: Any = None
-        self._activation_shape: Optional[tuple] = None   # of the tensors stages exchange, once seen
-        self._routers = False           # the model has MoE routers (set in setup)
-        self._roots: List[nn.Module] = []     # modules taking the previous stage's activation (setup)
-        self._stage_dtype = torch.float32     # dtype of the activations stages exchange (setup)
-        self._aux_loss_scale = 1.0
+        self.engine: Optional[StepEngine] = None          # runs the steps (built in setup)
+        self.gradients: Optional[GradientState] = None    # where the gradients live (built in setup when fitting)
         if bucket_size is not None:
             check_size("bucket_size", bucket_size)
         if overlap_param_gather and not use_distributed_optimizer:
@@ -150,8 +140,6 @@ class MegatronStrategy(ParallelStrategy):
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather
-        self.grads: Optional[DataParallelGrads] = None                  # gradient buffers, when in use
-        self.distributed_optimizer: Optional[DistributedOptimizer] = None
         self._final_optimizer_states: Dict[int, FullOptimizerView] = {}    # gathered at the end of fit
         self._layout: Optional[Dict[str, Any]] = None                   # sizes, for checkpoints
         self.order = order
@@ -169,7 +157,6 @@ class MegatronStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.parallel_state: Optional[ParallelState] = None
         self._accumulating = False
-        self._stashed_grads: List[Any] = []
 
     # -- Lightning plumbing --------------------------------------------------------------------------
 
@@ -260,41 +247,19 @@ class MegatronStrategy(ParallelStrategy):
         self._metrics_sync_over_data_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._setup_grad_buffers()
+            self._setup_gradients()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_gradient_clipping()
         self._install_found_inf_sync()
-        self._setup_cuda_graphs()
-        from .moe import TopKRouter
-
-        self._routers = any(isinstance(m, TopKRouter) for m in self.model.modules())
-        # found once: the schedule needs them every micro-batch
-        self._roots = self._pipeline_roots()
-        self._stage_dtype = self._activation_dtype()
-
-    def _setup_cuda_graphs(self) -> None:
-        """``"partial"``: per-layer graphs (seed 003); ``"full"``: the whole forward-backward of a training
-        step (seed 004); both captured after ``cuda_graph_warmup_steps`` eager steps."""
-        if self.cuda_graph is None or self._graphs is not None or self._full_graph is not None:
-            return
-        if self.cuda_graph_backend == "cuda" and self.root_device.type != "cuda":
-            raise ValueError(f"cuda_graph={self.cuda_graph!r} needs CUDA GPUs (accelerator='gpu'); drop cuda_graph "
-                             "on CPUs.")
-        from .cuda_graphs import FullCudaGraphWrapper, PartialCudaGraphs, layer_chunks
-
-        state = self._state()
-        if self.cuda_graph == "full":
-            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            self._full_graph = FullCudaGraphWrapper(self._full_graph_step, params=params,
-                                                    warmup_steps=self.cuda_graph_warmup_steps,
-                                                    rng_tracker=state.rng_tracker, backend=self.cuda_graph_backend)
-            return
-        chunks = layer_chunks(self.lightning_module, state.virtual_pipeline_size or 1)
-        self._graphs = PartialCudaGraphs(chunks, scope=self.cuda_graph_scope,
-                                         warmup_steps=self.cuda_graph_warmup_steps,
-                                         rng_tracker=state.rng_tracker, backend=self.cuda_graph_backend)
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = StepEngine(
+            self.lightning_module, self._state(), device=self.root_device, micro_batch_size=self.micro_batch_size,
+            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
+            cuda_graph=self.cuda_graph, cuda_graph_scope=self.cuda_graph_scope,
+            cuda_graph_warmup_steps=self.cuda_graph_warmup_steps, cuda_graph_backend=self.cuda_graph_backend)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -328,64 +293,29 @@ class MegatronStrategy(ParallelStrategy):
 
     # -- gradient buffers and the distributed optimizer -----------------------------------------------
 
-    @property
-    def _uses_grad_buffers(self) -> bool:
-        return (self.overlap_grad_reduce or self.use_distributed_optimizer or self.grad_reduce_in_fp32
-                or self.bucket_size is not None)
-
-    def _setup_grad_buffers(self) -> None:
-        """Gradients into contiguous buffers (after the optimizers exist: the distributed optimizer
-        re-points them at its shards)."""
-        self._close_grad_buffers()
+    def _setup_gradients(self) -> None:
+        """Where gradients live (after the optimizers exist: the distributed optimizer re-points them at its
+        shards)."""
+        if self.gradients is not None:
+            self.gradients.close()
         self._final_optimizer_states = {}
-        if not self._uses_grad_buffers:
-            return
-        state = self._state()
-        shard = self.use_distributed_optimizer
-        self.grads = DataParallelGrads(
-            [p for p in self.model.parameters() if p.requires_grad],
-            dense_group=state.dp_cp_group, expert_group=state.edp_group, divisor=state.size("dp-cp"),
-            overlap_grad_reduce=self.overlap_grad_reduce,
-            bucket_size=self.bucket_size or default_bucket_size(self.overlap_grad_reduce, state.size("dp-cp")),
-            grad_reduce_in_fp32=self.grad_reduce_in_fp32, shard=shard,
-            isolate=lambda p: state.pp_size > 1 and getattr(p, "shared_embedding", False))
-        if shard and state.tp_size > 1:
-            self._check_buffers_line_up_over_tp()
-        if shard:
-            self.distributed_optimizer = DistributedOptimizer(
-                self.optimizers, self.grads, modules=[self.model], overlap_param_gather=self.overlap_param_gather)
-
-    def _check_buffers_line_up_over_tp(self) -> None:
-        """Sequence-parallel gradients are summed over tp after the reduce-scatter: each rank's shard
-        must hold the same elements on every tp peer."""
-        state = self._state()
-        mine = torch.tensor([self.grads.signature()], dtype=torch.int64, device=self.root_device)
-        everyone = [torch.empty_like(mine) for _ in range(state.tp_size)]
-        dist.all_gather(everyone, mine, group=state.tp_group)
-        if len({int(t) for t in everyone}) > 1:
-            raise ValueError("use_distributed_optimizer=True needs the tensor-parallel ranks' parameters to have "
-                             "the same shapes in the same order (their gradient buffers differ); build every tp "
-                             "rank's model the same way, or set use_distributed_optimizer=False.")
-
-    def _close_grad_buffers(self) -> None:
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.close()
-        if self.grads is not None:
-            self.grads.close()
-        self.grads, self.distributed_optimizer = None, None
+        self.gradients = GradientState(
+            list(self.model.parameters()), self._state(), optimizers=self._raw_optimizers(), modules=[self.model],
+            overlap_grad_reduce=self.overlap_grad_reduce, bucket_size=self.bucket_size,
+            grad_reduce_in_fp32=self.grad_reduce_in_fp32, use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_param_gather=self.overlap_param_gather, device=self.root_device)
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers of ``overlap_param_gather``: call before reading parameters
         outside a forward between steps (e.g. in a callback); checkpoints and the end of fit do it."""
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.finish_param_sync()
+        if self.gradients is not None:
+            self.gradients.finish_param_sync()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """The user's optimizer steps on its shards; then every rank's parameters are made whole again."""
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.gather_params()
-        if self._routers:
+        self.gradients.after_optimizer_step()
+        if self.engine.has_routers:
             update_expert_biases(self.lightning_module)   # aux-loss-free balancing: after the step
         return out
 
@@ -393,123 +323,10 @@ class MegatronStrategy(ParallelStrategy):
         """The process groups go with ``teardown``: keep the whole optimizer state (host memory) for a
         ``trainer.save_checkpoint`` after ``fit``."""
         self.finish_param_sync()
-        if self.distributed_optimizer is not None:
-            self._final_optimizer_states = {
-                id(opt): FullOptimizerView.gather(self.distributed_optimizer, opt, keep_optimizer=False)
-                for opt in self.distributed_optimizer.optimizers}
+        if self.gradients is not None:
+            self._final_optimizer_states = self.gradients.gather_optimizer_states()
 
     # -- the training step -----------------------------------------------------------------------------
-
-    def _pipeline_roots(self) -> List[nn.Module]:
-        """Outermost modules that take the previous stage's activation (``set_input_tensor``)."""
-        roots: List[nn.Module] = []
-        for name, module in self.lightning_module.named_modules():
-            if name and callable(getattr(module, "set_input_tensor", None)) and not any(
-                    name.startswith(r + ".") for r, _ in roots):
-                roots.append((name, module))
-        return [m for _, m in roots]
-
-    def _activation_dtype(self) -> torch.dtype:
-        for param in self.lightning_module.parameters():
-            if param.is_floating_point():
-                return param.dtype
-        return torch.float32
-
-    def _run_schedule(self, batch: Any, run_last_stage: Callable[[Any], Any], forward_only: bool,
-                      step_context: Callable[[], Any], passthrough_metrics: bool,
-                      no_sync: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
-        """The schedule over ``batch`` (maybe replayed from a full-iteration CUDA graph), then the
-        step's loss and logs from the last stage on every rank."""
-        state = self._state()
-        module = self.lightning_module
-        if self.cuda_graph == "full" and not forward_only:
-            self._full_step_args = (run_last_stage, step_context, no_sync)   # read at capture only
-            core = self._full_graph(batch)
-        else:
-            core = self._schedule_core(batch, run_last_stage, forward_only, step_context, passthrough_metrics,
-                                       no_sync)
-        is_last = state.is_pipeline_last_stage(ignore_virtual=True)
-        reported = float(core["reported"]) if core["reported"] is not None else None
-        packet = broadcast_from_last_stage({"loss": reported, "logs": core["logs"]}, state)
-        replay(module, packet["logs"], self.root_device, state.dp_cp_group)
-        loss = packet["loss"]
-        if loss is not None and state.size("dp-cp") > 1:
-            # the step's loss is the mean over the whole (global) batch, as one process reports it
-            loss_tensor = torch.tensor([loss], dtype=torch.float64, device=self.root_device)
-            dist.all_reduce(loss_tensor, group=state.dp_cp_group)
-            loss = float(loss_tensor) / state.size("dp-cp")
-        return {"loss": loss, "outputs": core["outputs"] if is_last else None}
-
-    def _activation_shapes(self, forward_only: bool) -> Dict[str, Any]:
-        """How stages learn the shape of what they receive: sent ahead (any length), or, inside a
-        full-iteration graph (nothing may be read on the host there), the shape the eager warm-up
-        steps exchanged, which static batches keep."""
-        if self.cuda_graph == "full" and not forward_only and self._activation_shape is not None:
-            return {"tensor_shape": self._activation_shape, "variable_seq_lengths": False}
-        return {"variable_seq_lengths": True}
-
-    def _full_graph_step(self, batch: Any) -> Dict[str, Any]:
-        """What the full-iteration graph holds: every micro-batch's forward and backward on this rank.
-
-        Python side effects (``self.log``, the user's ``training_step``) run at the capture only; the
-        graph returns the loss and logged values as tensors that each replay refreshes.
-        """
-        run_last_stage, step_context, no_sync = self._full_step_args
-        core = self._schedule_core(batch, run_last_stage, False, step_context, False, no_sync)
-        return {"reported": core["reported"], "logs": core["logs"], "outputs": None}
-
-    def _schedule_core(self, batch: Any, run_last_stage: Callable[[Any], Any], forward_only: bool,
-                       step_context: Callable[[], Any], passthrough_metrics: bool,
-                       no_sync: Optional[Callable[[], Any]]) -> Dict[str, Any]:
-        state = self._state()
-        module = self.lightning_module
-        if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
-            batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1)
-        microbatches = split_into_microbatches(batch, self.micro_batch_size)
-        chunks = state.virtual_pipeline_size or 1
-        if chunks > 1:
-            resolve_group_size(len(microbatches), state.pp_size, chunks, self.microbatch_group_size_per_vp_stage)
-        roots = self._roots
-        capture = StepLogCapture(module, passthrough_metrics)
-        results: List[Any] = []
-
-        def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
-            for root in roots:
-                root.set_input_tensor(ctx.input_tensor)
-            if ctx.input_tensor is not None:
-                self._activation_shape = tuple(ctx.input_tensor.shape)
-            with step_context():
-                if not ctx.is_last_stage:
-                    activation = module(microbatch)
-                    self._activation_shape = tuple(activation.shape)
-                    return activation
-                with capture.microbatch():
-                    out = run_last_stage(microbatch)
-            loss, reported = _loss_of(out, forward_only)
-            results.append(out if forward_only else reported)
-            return loss, reported
-
-        if self._routers and not forward_only:
-            # ... and the executor's 1/micro-batches. Gradients are averaged over dp·cp, which makes the
-            # user's per-rank mean losses one mean; the balancing losses are partial sums over the cp
-            # ranks' shares of each sequence, so their gradients are multiplied back by cp.
-            set_aux_loss_scale(module, self._aux_loss_scale * state.cp_size / len(microbatches))
-        if self._graphs is not None and not forward_only:
-            # per-layer graphs replay in exactly the order this schedule runs the layers
-            self._graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank, chunks,
-                                                   self.microbatch_group_size_per_vp_stage))
-        output = forward_backward(step, microbatches, [module] * chunks, num_microbatches=len(microbatches),
-                                  dtype=self._stage_dtype, **self._activation_shapes(forward_only),
-                                  forward_only=forward_only, no_sync=no_sync,
-                                  microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
-                                  pp_group=state.pp_group if state.pp_size > 1 else None,
-                                  device=self.root_device)
-        is_last = state.is_pipeline_last_stage(ignore_virtual=True)
-        reported = None
-        if is_last and not forward_only and results:
-            reported = torch.stack([r.float() for r in results]).mean()
-        return {"reported": reported, "logs": capture.averaged() if is_last else {},
-                "outputs": results if is_last else None}
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the whole schedule, forward and backward of every micro-batch. ``on_before_backward``
@@ -522,9 +339,7 @@ class MegatronStrategy(ParallelStrategy):
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
-
-        # MoE balancing losses inject their gradient inside backward: give it the main loss's factor
-        self._aux_loss_scale = (scaler.get_scale() if scaler is not None else 1.0) / accumulate
+        gradients = self.gradients
 
         def last_stage(microbatch: Any) -> Any:
             out = module.training_step(microbatch, *args[1:], **kwargs)
@@ -535,54 +350,28 @@ class MegatronStrategy(ParallelStrategy):
             call._call_lightning_module_hook(trainer, "on_before_backward", backward)
             return (scaler.scale(backward) if scaler is not None else backward), loss.detach()
 
-        if self.grads is not None:
-            return self._training_step_into_buffers(last_stage, *args)
-        params = [p for p in self.model.parameters() if p.requires_grad]
         if args[1] % accumulate == 0:   # first batch of an accumulation window: start from zero
-            for param in params:
-                param.grad = None
-        done = self._run_schedule(args[0], last_stage, False, self.precision_plugin.train_step_context,
-                                  passthrough_metrics=self._state().pp_size == 1)
+            gradients.zero()
+        gradients.before_schedule()
+        with gradients.no_sync() if self._accumulating else nullcontext():
+            # MoE balancing losses inject their gradient inside backward: they get the main loss's factor
+            result = self.engine.run(args[0], last_stage, step_context=self.precision_plugin.train_step_context,
+                                     no_sync=gradients.schedule_no_sync,
+                                     aux_loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / accumulate)
         if not self._accumulating:
-            finalize_model_grads([self.model], self._state())
-        # Lightning zeroes gradients between training_step and backward: keep ours out of its reach
-        self._stashed_grads = [(param, param.grad) for param in params]
-        for param in params:
-            param.grad = None
-        return {"loss": torch.tensor(done["loss"], device=self.root_device)}
+            gradients.finalize([self.model])
+        gradients.hide()   # Lightning zeroes gradients between training_step and backward: keep them away
+        self._replay_logs(result)
+        return {"loss": result.loss}
 
-    def _training_step_into_buffers(self, last_stage: Callable[[Any], Any], *args: Any) -> Any:
-        """The step with gradient buffers: accumulate in ``main_grad``; reduce (maybe overlapped with the
-        backward) only in the last micro-batch of the last batch of an accumulation window."""
-        grads = self.grads
-        self._detach_grads()   # an attached .grad would make autograd accumulate into main_grad twice
-        if args[1] % self.lightning_module.trainer.accumulate_grad_batches == 0:
-            grads.zero_grad()
-        with grads.no_sync() if self._accumulating else nullcontext():
-            done = self._run_schedule(args[0], last_stage, False, self.precision_plugin.train_step_context,
-                                      passthrough_metrics=self._state().pp_size == 1, no_sync=grads.no_sync)
-        if not self._accumulating:
-            finalize_model_grads([self.model], self._state(), grads=grads)
-        self._detach_grads()   # Lightning zeroes gradients before backward (maybe in place): keep them away
-        return {"loss": torch.tensor(done["loss"], device=self.root_device)}
-
-    def _detach_grads(self) -> None:
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.detach_grads()
-        if self.grads is not None:
-            self.grads.detach()
+    def _replay_logs(self, result: StepResult) -> None:
+        replay(self.lightning_module, result.logs, self.root_device, self._state().dp_cp_group)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran every backward inside ``training_step``: hand its gradients back."""
         from lightning.pytorch.trainer import call
 
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.attach_grads()
-        elif self.grads is not None:
-            self.grads.attach()
-        for param, grad in self._stashed_grads:
-            param.grad = grad
-        self._stashed_grads = []
+        self.gradients.expose()
         trainer = self.lightning_module.trainer
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
@@ -599,9 +388,10 @@ class MegatronStrategy(ParallelStrategy):
 
     def _eval_step(self, hook: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        done = self._run_schedule(args[0], lambda mb: getattr(module, hook)(mb, *args[1:], **kwargs), True,
-                                  context, passthrough_metrics=self._state().pp_size == 1)
-        outputs = done["outputs"]
+        result = self.engine.run(args[0], lambda mb: getattr(module, hook)(mb, *args[1:], **kwargs),
+                                 forward_only=True, step_context=context)
+        self._replay_logs(result)
+        outputs = result.outputs
         if outputs is None:
             return None
         return outputs[0] if len(outputs) == 1 else _concat(outputs)
@@ -654,13 +444,11 @@ class MegatronStrategy(ParallelStrategy):
 
     def _install_gradient_clipping(self) -> None:
         """Lightning clips per process; a parallel model must clip by the norm of the whole model."""
-        state = self._state()
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm(params, float(clip_val), state, sharded=self.distributed_optimizer is not None,
-                           device=self.root_device)
+            self.gradients.clip_by_norm(params, clip_val)
 
         def clip_grad_by_value(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -726,8 +514,8 @@ class MegatronStrategy(ParallelStrategy):
         if checkpoint.get(_SHARDED_KEY):
             return   # load_checkpoint already read every shard into place
         super().load_model_state_dict(checkpoint, strict=strict)
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.reload_main_params()
+        if self.gradients is not None:
+            self.gradients.reload_main_params()
 
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
         return {}   # save_checkpoint writes the optimizer state shard by shard
@@ -772,19 +560,10 @@ class MegatronStrategy(ParallelStrategy):
 
     def _checkpoint_optimizers(self, saving: bool) -> List[Any]:
         """What the sharded checkpoint reads and writes: each optimizer as the plain optimizer over the
-        model's parameters (under the distributed optimizer a view gathered over data parallelism), so
-        one format reshards TP/PP/EP/DP with or without the distributed optimizer."""
-        out = []
-        for optimizer in self._raw_optimizers():
-            dist_opt = self.distributed_optimizer
-            if dist_opt is not None and optimizer in dist_opt.optimizers:
-                out.append(FullOptimizerView.gather(dist_opt, optimizer) if saving
-                           else FullOptimizerView.to_load(dist_opt, optimizer))
-            elif saving and id(optimizer) in self._final_optimizer_states:   # after fit: gathered at its end
-                out.append(self._final_optimizer_states[id(optimizer)])
-            else:
-                out.append(optimizer)
-        return out
+        model's parameters, so one format reshards TP/PP/EP/DP with or without the distributed optimizer."""
+        if self.gradients is None:
+            return [self._final_optimizer_states.get(id(opt), opt) if saving else opt for opt in self._raw_optimizers()]
+        return self.gradients.optimizer_views(self._raw_optimizers(), saving, self._final_optimizer_states)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -797,11 +576,12 @@ class MegatronStrategy(ParallelStrategy):
     def teardown(self) -> None:
         """The process groups stay until the next ``setup_environment`` (or process exit), so
         ``trainer.save_checkpoint`` after ``fit`` can still write its shards."""
-        self._close_grad_buffers()
-        if self._graphs is not None:
-            self._graphs.remove()
-            self._graphs = None
-        self._full_graph = None
+        if self.gradients is not None:
+            self.gradients.close()
+            self.gradients = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
         super().teardown()
 
     @classmethod
@@ -819,13 +599,6 @@ def _extract_loss(out: Any) -> torch.Tensor:
         raise TypeError("training_step must return the loss (a scalar tensor) or a dict with a 'loss' key under "
                         f"the megatron strategy, got {type(out).__name__}.")
     return loss
-
-
-def _loss_of(out: Any, forward_only: bool) -> Any:
-    """What the executor needs from the last stage: (loss for backward, what to report)."""
-    if forward_only:
-        return torch.zeros(()), None
-    return out
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -10,7 +10,8 @@ parallelism: the local sums are then summed over the whole world, once.
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,9 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
             local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
                 torch.zeros((), device=device)
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        else:
-            local = sum((g.detach().float().norm(norm_type) ** norm_type for g in grads),
-                        torch.zeros((), device=device))
+        else:   # one fused (foreach) norm per device and dtype, not a few kernels per parameter
+            local = (torch.nn.utils.get_total_norm([g.detach() for g in grads], norm_type).float() ** norm_type
+                     if grads else torch.zeros((), device=device))
             dist.all_reduce(local, group=group)
         totals.append(local)
     if math.isinf(norm_type):
@@ -66,6 +67,11 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: Paral
     params: List[nn.Parameter] = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, state, norm_type, sharded, device)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
     for p in params:
-        p.grad.detach().mul_(coefficient.to(p.grad.dtype))
+        by_kind[(p.grad.device, p.grad.dtype)].append(p.grad.detach())
+    for (grad_device, dtype), grads in by_kind.items():
+        # one foreach kernel per (device, dtype), the coefficient in the gradients' dtype: a float32
+        # coefficient on bf16 gradients would take the slow type-promoting path, one kernel per tensor
+        torch._foreach_mul_(grads, coefficient.to(device=grad_device, dtype=dtype))
     return total

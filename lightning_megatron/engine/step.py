@@ -1,0 +1,236 @@
+"""One step of a parallel model, without Lightning: micro-batches → schedule → loss and logs.
+
+``StepEngine.run(batch, last_stage, ...)`` cuts this data-parallel rank's batch into micro-batches
+(after taking this rank's context-parallel share of each sequence), runs the pipeline schedule
+(forward and, for training, backward of every micro-batch; ``last_stage(microbatch)`` on the last
+stage returns the loss to backpropagate and the value to report), maybe replayed from CUDA graphs,
+and returns a :class:`StepResult`: the step's loss as one process would report it (a device
+tensor, no host sync when there is one pipeline stage), what the last stage logged, and the
+outputs of forward-only steps. Gradient reduction, clipping and the optimizer are the caller's
+(``distributed.GradientState``); a plain Python loop can drive the engine (``tests/test_engine.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..context_parallel import split_for_context_parallel
+from ..distributed import split_into_microbatches
+from ..moe import TopKRouter, set_aux_loss_scale
+from ..parallel import ParallelState
+from ..pipeline import resolve_group_size, schedule_order
+from ..pipeline.executor import forward_backward
+from ..step_logging import Record, StepLogCapture, broadcast_from_last_stage
+
+LastStage = Callable[[Any], Any]   # micro-batch -> (loss to backpropagate, value to report) | eval output
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, on every rank.
+
+    ``loss``: the mean of the reported per-micro-batch values over the global batch (a float32
+    device scalar; ``None`` for forward-only steps). ``logs``: each name the last stage logged,
+    averaged over micro-batches, with its ``log`` arguments. ``outputs``: the last stage's
+    per-micro-batch outputs of a forward-only step (``None`` elsewhere).
+    """
+
+    loss: Optional[torch.Tensor]
+    logs: Dict[str, Record]
+    outputs: Optional[List[Any]]
+    num_microbatches: int
+
+
+class _CaptureOnly:
+    """The per-step Python callables of a full-graph step: a graph runs them at its capture only, so
+    every call's are equal as far as the graph's signature is concerned."""
+
+    def __init__(self, last_stage: LastStage, step_context: Callable[[], ContextManager[Any]],
+                 no_sync: Optional[Callable[[], Any]]) -> None:
+        self.last_stage, self.step_context, self.no_sync = last_stage, step_context, no_sync
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CaptureOnly)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "<step callables, run at capture>"
+
+
+def pipeline_roots(module: nn.Module) -> List[nn.Module]:
+    """Outermost modules that take the previous stage's activation (``set_input_tensor``)."""
+    roots: List[tuple] = []
+    for name, child in module.named_modules():
+        if name and callable(getattr(child, "set_input_tensor", None)) and not any(
+                name.startswith(r + ".") for r, _ in roots):
+            roots.append((name, child))
+    return [m for _, m in roots]
+
+
+def activation_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of the activations stages exchange: the parameters'."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+class StepEngine:
+    """Runs steps of ``module`` (this rank's part of the model) under ``state``'s layout.
+
+    - ``micro_batch_size``: samples per micro-batch (``None``: the batch is one micro-batch);
+      ``microbatch_group_size_per_vp_stage``: the interleaved schedule's group size.
+    - ``cuda_graph``: ``None``, ``"partial"`` (per-layer graphs replayed in schedule order) or ``"full"``
+      (the whole forward-backward of a training step), captured after ``cuda_graph_warmup_steps``
+      eager steps; ``cuda_graph_backend="eager"`` runs the capture bookkeeping without graphs.
+    - ``params``: the parameters whose gradients a full-step graph produces.
+    """
+
+    def __init__(self, module: nn.Module, state: ParallelState, *, device: torch.device,
+                 micro_batch_size: Optional[int] = None, microbatch_group_size_per_vp_stage: Optional[int] = None,
+                 cuda_graph: Optional[str] = None, cuda_graph_scope: Any = "layer", cuda_graph_warmup_steps: int = 1,
+                 cuda_graph_backend: str = "cuda") -> None:
+        self.module, self.state, self.device = module, state, device
+        self.micro_batch_size = micro_batch_size
+        self.group_size = microbatch_group_size_per_vp_stage
+        self.chunks = state.virtual_pipeline_size or 1
+        self.roots = pipeline_roots(module)
+        self.stage_dtype = activation_dtype(module)
+        self.has_routers = any(isinstance(m, TopKRouter) for m in module.modules())
+        self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
+        self.cuda_graph = cuda_graph
+        self.partial_graphs: Any = None
+        self.full_graph: Any = None
+        self._static_activation_shape: Optional[tuple] = None   # learned by the eager steps before a capture
+        if cuda_graph is not None:
+            self._build_graphs(cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
+
+    def _build_graphs(self, scope: Any, warmup_steps: int, backend: str) -> None:
+        if backend == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph={self.cuda_graph!r} needs CUDA GPUs (accelerator='gpu'); drop cuda_graph "
+                             "on CPUs.")
+        from ..cuda_graphs import FullCudaGraphWrapper, PartialCudaGraphs, layer_chunks
+
+        tracker = self.state.rng_tracker
+        if self.cuda_graph == "full":
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self.full_graph = FullCudaGraphWrapper(self._graphed_step, params=params, warmup_steps=warmup_steps,
+                                                   rng_tracker=tracker, backend=backend)
+        else:
+            self.partial_graphs = PartialCudaGraphs(layer_chunks(self.module, self.chunks), scope=scope,
+                                                    warmup_steps=warmup_steps, rng_tracker=tracker, backend=backend)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def run(self, batch: Any, last_stage: LastStage, *, forward_only: bool = False,
+            step_context: Callable[[], ContextManager[Any]] = torch.enable_grad,
+            no_sync: Optional[Callable[[], Any]] = None, aux_loss_scale: float = 1.0) -> StepResult:
+        """One step over ``batch``. ``last_stage(microbatch)`` runs on the last pipeline stage inside
+        ``step_context()``: for training it returns ``(loss to backpropagate, value to report)``, for
+        ``forward_only`` whatever the step outputs. ``no_sync``: the gradient buffers' context for every
+        backward but the last. ``aux_loss_scale``: the factor of the backpropagated loss (loss scale /
+        accumulation) that MoE balancing losses must share."""
+        if self.full_graph is not None and not forward_only:
+            core = self.full_graph(batch, _CaptureOnly(last_stage, step_context, no_sync),
+                                   aux_loss_scale=aux_loss_scale)
+        else:
+            core = self._schedule(batch, last_stage, forward_only, step_context, no_sync, aux_loss_scale)
+        return self._result(core, forward_only)
+
+    def _graphed_step(self, batch: Any, callables: _CaptureOnly, aux_loss_scale: float) -> Dict[str, Any]:
+        """What a full-step graph holds: every micro-batch's forward and backward on this rank (the
+        callables run at the capture only; the graph returns the reported loss and logs as tensors)."""
+        core = self._schedule(batch, callables.last_stage, False, callables.step_context, callables.no_sync,
+                              aux_loss_scale, in_graph=True)
+        return {"reported": core["reported"], "logs": core["logs"], "outputs": None,
+                "num_microbatches": core["num_microbatches"]}
+
+    def _schedule(self, batch: Any, last_stage: LastStage, forward_only: bool,
+                  step_context: Callable[[], ContextManager[Any]], no_sync: Optional[Callable[[], Any]],
+                  aux_loss_scale: float, in_graph: bool = False) -> Dict[str, Any]:
+        state, module = self.state, self.module
+        if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
+            batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1)
+        microbatches = split_into_microbatches(batch, self.micro_batch_size)
+        if self.chunks > 1:
+            resolve_group_size(len(microbatches), state.pp_size, self.chunks, self.group_size)
+        roots = self.roots
+        # torchmetrics objects log for real when every rank runs the step (one stage); else their batch value
+        capture = StepLogCapture(module, passthrough_metrics=state.pp_size == 1 and not in_graph)
+        results: List[Any] = []
+        shapes: List[tuple] = []
+
+        def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
+            for root in roots:
+                root.set_input_tensor(ctx.input_tensor)
+            if ctx.input_tensor is not None:
+                shapes.append(tuple(ctx.input_tensor.shape))
+            with step_context():
+                if not ctx.is_last_stage:
+                    activation = module(microbatch)
+                    shapes.append(tuple(activation.shape))
+                    return activation
+                with capture.microbatch():
+                    out = last_stage(microbatch)
+            if forward_only:
+                results.append(out)
+                return torch.zeros(()), None
+            results.append(out[1])
+            return out
+
+        if self.has_routers and not forward_only:
+            # ... and the executor's 1/micro-batches. Gradients are averaged over dp·cp, which makes the
+            # user's per-rank mean losses one mean; the balancing losses are partial sums over the cp
+            # ranks' shares of each sequence, so their gradients are multiplied back by cp.
+            set_aux_loss_scale(module, aux_loss_scale * state.cp_size / len(microbatches))
+        if self.partial_graphs is not None and not forward_only:
+            # per-layer graphs replay in exactly the order this schedule runs the layers
+            self.partial_graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank,
+                                                          self.chunks, self.group_size))
+        if in_graph and self._static_activation_shape is not None:
+            shape_args: Dict[str, Any] = {"tensor_shape": self._static_activation_shape, "variable_seq_lengths": False}
+        else:   # sent ahead (any length); inside a full-step graph nothing may be read on the host
+            shape_args = {"variable_seq_lengths": True}
+        forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
+                         dtype=self.stage_dtype, forward_only=forward_only, no_sync=no_sync,
+                         microbatch_group_size_per_vp_stage=self.group_size,
+                         pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device, **shape_args)
+        if shapes:
+            self._static_activation_shape = shapes[-1]
+        reported = None
+        if self.is_last_stage and not forward_only and results:
+            reported = torch.stack([r.detach().float() for r in results]).mean()
+        return {"reported": reported, "logs": capture.averaged() if self.is_last_stage else {},
+                "outputs": results if self.is_last_stage and forward_only else None,
+                "num_microbatches": len(microbatches)}
+
+    def _result(self, core: Dict[str, Any], forward_only: bool) -> StepResult:
+        """The last stage's loss and logs on every rank; the loss averaged over data-parallel replicas."""
+        state = self.state
+        loss = None
+        if not forward_only:
+            loss = core["reported"]
+            if state.pp_size > 1:   # a tensor broadcast: no host sync
+                if loss is None:
+                    loss = torch.empty((), dtype=torch.float32, device=self.device)
+                dist.broadcast(loss, src=state.ranks("pp")[-1], group=state.pp_group)
+            if state.size("dp-cp") > 1:   # the mean over the global batch, as one process reports it
+                loss = loss.clone()
+                dist.all_reduce(loss, group=state.dp_cp_group)
+                loss /= state.size("dp-cp")
+        logs = core["logs"]
+        if state.pp_size > 1:
+            logs = broadcast_from_last_stage(logs, state)
+        return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"])
+
+    def close(self) -> None:
+        """Give back the per-layer graphs' hooks (the model runs eagerly again)."""
+        if self.partial_graphs is not None:
+            self.partial_graphs.remove()
+        self.partial_graphs, self.full_graph = None, None

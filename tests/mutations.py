@@ -1,0 +1,148 @@
+"""Plant the bugs we fear in a copy of the package and check that a named test fails for each.
+
+Each mutation is one textual change of one source file (it must match exactly once) and the tests
+that must catch it. The copy lives in a temporary folder run as the current directory, so the
+mutated package is the one imported (by pytest and by every rank the harness starts) and the
+working tree is never touched.
+
+    python tests/mutations.py            # every mutation, then the table
+    python tests/mutations.py --list
+    python tests/mutations.py buffers-divisor-without-cp tied-embedding-plain
+
+``tests/test_mutations.py`` runs them under pytest (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+UPDATES = "tests/test_strategy_updates.py::test_dense_updates_match_single_process"
+MOE_UPDATES = "tests/test_strategy_updates.py::test_moe_updates_with_balancing_losses_match_single_process"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str       # source file, relative to the repository root
+    old: str        # text that occurs exactly once in it
+    new: str
+    tests: Tuple[str, ...]   # pytest node ids; at least one must fail
+
+
+FINALIZE = "lightning_megatron/distributed/finalize.py"
+GRADIENTS = "lightning_megatron/distributed/gradients.py"
+BUFFER_DIVISOR = "divisor=dp_cp"
+
+MUTATIONS: List[Mutation] = [
+    # plain .grad finalize
+    Mutation("plain-divisor-without-cp", FINALIZE, 'divisor = state.size("dp-cp")', 'divisor = state.size("dp")',
+             (f"{UPDATES}[cp2]",)),
+    Mutation("plain-divisor-with-tp", FINALIZE, 'divisor = state.size("dp-cp")', 'divisor = state.size("tp-dp-cp")',
+             (f"{UPDATES}[tp2]",)),
+    Mutation("plain-no-sequence-parallel-reduce", FINALIZE,
+             "        allreduce_sequence_parallel_grads(params, state.tp_group)\n", "        pass\n",
+             (f"{UPDATES}[tp2sp]",)),
+    Mutation("plain-no-tied-embedding-reduce", FINALIZE,
+             "        allreduce_shared_embedding_grads(modules)  # middle stages return at once\n", "        pass\n",
+             (f"{UPDATES}[pp2]",)),
+    Mutation("plain-expert-divisor-is-edp-size", FINALIZE,
+             "_all_reduce_coalesced(grads, state.group(name), divisor=divisor)",
+             "_all_reduce_coalesced(grads, state.group(name), divisor=state.size(name))",
+             (f"{MOE_UPDATES}[tp2etp1]",)),
+    Mutation("plain-expert-alone-not-divided", FINALIZE, "                grad.div_(divisor)\n",
+             "                pass\n", (f"{MOE_UPDATES}[ep2]",)),
+    # gradient buffers, overlapped reduction and the distributed optimizer share the buffers' divisor:
+    # each path's own test must catch it
+    *[Mutation(f"{path}-divisor-without-cp", GRADIENTS, BUFFER_DIVISOR, 'divisor=state.size("dp")',
+               (f"{UPDATES}[dp2cp2-{path}]",)) for path in ("buffers", "overlap", "distopt")],
+    *[Mutation(f"{path}-divisor-with-tp", GRADIENTS, BUFFER_DIVISOR, 'divisor=state.size("tp-dp-cp")',
+               (f"{UPDATES}[dp2tp2sp-{path}]",)) for path in ("buffers", "overlap", "distopt")],
+    Mutation("buffers-no-sequence-parallel-reduce", FINALIZE, "            if partial:\n",
+             "            if False:\n", (f"{UPDATES}[dp2tp2sp-buffers]",)),
+    Mutation("buffers-no-tied-embedding-reduce", FINALIZE,
+             "embedding = (lambda: allreduce_shared_embedding_grads(modules)) if state.pp_size > 1 else None",
+             "embedding = None", (f"{UPDATES}[dp2pp2-buffers]",)),
+    Mutation("distopt-divides-rank0-shard-only", "lightning_megatron/distributed/grad_buffer.py",
+             "            lo, hi = self.shard_range(bucket)\n            self.data[lo:hi].div_(self.divisor)",
+             "            lo, hi = self.shard_range(bucket, rank=0)\n            self.data[lo:hi].div_(self.divisor)",
+             (f"{UPDATES}[dp4-distopt]",)),
+    Mutation("expert-buffers-over-dense-group", "lightning_megatron/distributed/data_parallel.py",
+             "expert_group if expert else dense_group", "dense_group",
+             (f"{MOE_UPDATES}[dp4ep2-buffers]",)),
+    # MoE balancing losses and exact resume
+    Mutation("aux-loss-scale-off-by-cp", "lightning_megatron/engine/step.py",
+             "aux_loss_scale * state.cp_size / len(microbatches)", "aux_loss_scale / len(microbatches)",
+             (f"{MOE_UPDATES}[cp2]",)),
+    Mutation("rng-restored-before-the-iterator", "lightning_megatron/resumable_loader.py", "        if skip:\n",
+             "        if False:\n",
+             ("tests/test_strategy_features.py::test_resume_with_dropout_draws_the_same_masks",)),
+    # clipping by the whole model's norm
+    Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
+             "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",
+             ("tests/test_strategy.py::test_losses_match_single_process_with_clipping[tp2]",)),
+]
+
+
+def mutated_copy(mutation: Mutation, into: Path) -> None:
+    """The package and tests copied into ``into`` with ``mutation`` applied (exactly one match)."""
+    for part in ("lightning_megatron", "tests"):
+        shutil.copytree(ROOT / part, into / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(ROOT / "pyproject.toml", into / "pyproject.toml")
+    target = into / mutation.path
+    text = target.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise ValueError(f"mutation {mutation.name!r}: its text occurs {count} times in {mutation.path} "
+                         "(expected once); update the mutation to the current source.")
+    target.write_text(text.replace(mutation.old, mutation.new))
+
+
+def run(mutation: Mutation, timeout: float = 900) -> Tuple[bool, float, str]:
+    """(killed, seconds, pytest's last line): killed when the mutated package fails its tests."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as folder:
+        into = Path(folder)
+        mutated_copy(mutation, into)
+        env = dict(os.environ, PYTHONPATH=str(into), PYTHONDONTWRITEBYTECODE="1")
+        # one interpreter checks that the mutated copy is what gets imported (else exit 3, never a
+        # "killed"), then runs pytest (exit 1: some test failed)
+        script = ("import sys, pytest, lightning_megatron\n"
+                  f"if not lightning_megatron.__file__.startswith({str(into)!r}):\n"
+                  "    print('imported', lightning_megatron.__file__, 'not the mutated copy', file=sys.stderr)\n"
+                  "    sys.exit(3)\n"
+                  "sys.exit(pytest.main(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", script, "-x", "-q", "-p", "no:cacheprovider", "--no-header",
+                               *mutation.tests], cwd=into, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode == 1, time.perf_counter() - start, lines[-1] if lines else proc.stderr[-300:]
+
+
+def main(argv: List[str]) -> int:
+    if "--list" in argv:
+        for m in MUTATIONS:
+            print(f"{m.name:40s} {m.path}  ->  {' '.join(m.tests)}")
+        return 0
+    chosen = [m for m in MUTATIONS if not argv or m.name in argv]
+    rows = []
+    for mutation in chosen:
+        killed, seconds, last = run(mutation)
+        rows.append((mutation, killed, seconds, last))
+        print(f"{'killed' if killed else 'SURVIVED':8s} {seconds:6.1f}s  {mutation.name}: {last}", flush=True)
+    print("\n| mutation | file | caught by | result |\n|---|---|---|---|")
+    for mutation, killed, seconds, last in rows:
+        tests = ", ".join(t.split("::", 1)[1] for t in mutation.tests)
+        print(f"| {mutation.name} | `{mutation.path}` | `{tests}` | {'killed' if killed else '**survived**'} |")
+    return 0 if all(killed for _, killed, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,13 @@
+"""The planted bugs of ``tests/mutations.py`` (wrong dp/cp/tp divisors in every reduction path, missing
+tied-embedding and sequence-parallel reduces, the MoE balancing-loss scale off by cp, the RNG state
+restored before the resumed DataLoader iterator, ...) each make a named test fail."""
+
+import pytest
+
+from mutations import MUTATIONS, run
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_planted_bug_is_caught(mutation):
+    killed, _, last = run(mutation)
+    assert killed, f"{mutation.name} survived {', '.join(mutation.tests)}: {last}"
