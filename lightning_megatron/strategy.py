@@ -30,20 +30,22 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.constants import default_pg_timeout
 
 from .checkpoint import load_rank_state, load_sharded, save_sharded
 from .distributed import FullOptimizerView
 from .distributed.gradients import GradientState
 from .engine import StepEngine, StepResult
-from .parallel import ParallelLayout, ParallelState
-from .parallel.topology import DEFAULT_ORDER, check_size
+from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
+                              sync_metrics_over_data_parallel)
+from .config import CudaGraphConfig, GradientConfig, ParallelConfig
+from .parallel import ParallelState
+from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .rng_state import capture_rng_state, restore_rng_state
 from .step_logging import broadcast_from_last_stage, replay
-from .tensor_parallel.random import seed_tracker
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 
@@ -101,56 +103,20 @@ class MegatronStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.tp = check_size("tensor_model_parallel_size", tensor_model_parallel_size)
-        self.pp = check_size("pipeline_model_parallel_size", pipeline_model_parallel_size)
-        self.cp = check_size("context_parallel_size", context_parallel_size)
-        self.ep = check_size("expert_model_parallel_size", expert_model_parallel_size)
-        self.etp = None if expert_tensor_parallel_size is None else check_size(
-            "expert_tensor_parallel_size", expert_tensor_parallel_size)
-        self.vpp = None if virtual_pipeline_model_parallel_size is None else check_size(
-            "virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
-        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
-            raise ValueError(f"virtual_pipeline_model_parallel_size={self.vpp} needs "
-                             "pipeline_model_parallel_size >= 2; raise it or drop the virtual stages.")
-        if micro_batch_size is not None:
-            check_size("micro_batch_size", micro_batch_size)
+        # validated here, on every rank, before any process group exists
+        self.parallel = ParallelConfig(
+            tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+            context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, order, sequence_parallel,
+            micro_batch_size, microbatch_group_size_per_vp_stage)
+        self.gradient_config = GradientConfig(overlap_grad_reduce, bucket_size, grad_reduce_in_fp32,
+                                              use_distributed_optimizer, overlap_param_gather)
+        self.graph_config = CudaGraphConfig(cuda_graph, cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
+        self.graph_config.check_with(self.gradient_config)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
-        if cuda_graph not in (None, "partial", "full"):
-            raise ValueError(f"cuda_graph={cuda_graph!r} is not one of None, 'partial', 'full'.")
-        if cuda_graph == "full" and (use_distributed_optimizer or overlap_grad_reduce or grad_reduce_in_fp32):
-            raise ValueError("cuda_graph='full' works with plain gradients: drop use_distributed_optimizer, "
-                             "overlap_grad_reduce and grad_reduce_in_fp32, or use cuda_graph='partial'.")
-        if cuda_graph is not None:
-            check_size("cuda_graph_warmup_steps", cuda_graph_warmup_steps)
-        if cuda_graph_backend not in ("cuda", "eager"):
-            raise ValueError(f"cuda_graph_backend={cuda_graph_backend!r} is not 'cuda' or 'eager' (the capture "
-                             "bookkeeping without graphs, for CPU tests).")
-        self.cuda_graph, self.cuda_graph_scope = cuda_graph, cuda_graph_scope
-        self.cuda_graph_warmup_steps, self.cuda_graph_backend = cuda_graph_warmup_steps, cuda_graph_backend
         self.engine: Optional[StepEngine] = None          # runs the steps (built in setup)
         self.gradients: Optional[GradientState] = None    # where the gradients live (built in setup when fitting)
-        if bucket_size is not None:
-            check_size("bucket_size", bucket_size)
-        if overlap_param_gather and not use_distributed_optimizer:
-            raise ValueError("overlap_param_gather=True gathers the distributed optimizer's shards; set "
-                             "use_distributed_optimizer=True as well, or drop overlap_param_gather.")
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.bucket_size = bucket_size
-        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
-        self.use_distributed_optimizer = use_distributed_optimizer
-        self.overlap_param_gather = overlap_param_gather
         self._final_optimizer_states: Dict[int, FullOptimizerView] = {}    # gathered at the end of fit
-        self._layout: Optional[Dict[str, Any]] = None                   # sizes, for checkpoints
-        self.order = order
-        if sequence_parallel and self.tp == 1:
-            rank_zero_warn("sequence_parallel=True does nothing with tensor_model_parallel_size=1 (it shards "
-                           "activations over tensor-parallel ranks): turned off. Set "
-                           "tensor_model_parallel_size >= 2 to use it.")
-            sequence_parallel = False
-        self.sequence_parallel = sequence_parallel
-        self.micro_batch_size = micro_batch_size
-        self.microbatch_group_size_per_vp_stage = microbatch_group_size_per_vp_stage
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -196,12 +162,7 @@ class MegatronStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         world = self.num_nodes * self.num_processes
-        # pure validation first: every rank raises the same error before any group exists
-        layout = ParallelLayout(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
-                                order=self.order)
-        if self.vpp and self.vpp > 1 and self.micro_batch_size is None:
-            raise ValueError("virtual_pipeline_model_parallel_size > 1 needs micro_batch_size: the interleaved "
-                             "schedule needs at least pipeline_model_parallel_size micro-batches per step.")
+        layout = self.parallel.layout(world)   # pure: every rank raises the same error before any group exists
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or \
@@ -212,27 +173,17 @@ class MegatronStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self.parallel_state is not None:   # a previous fit/validate of this strategy
             self.parallel_state.destroy()
-        state = ParallelState(layout, timeout=self._timeout, virtual_pipeline_size=self.vpp)
-        self._layout = {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
-                        "ep": layout.ep, "etp": layout.etp, "order": layout.order, "vpp": self.vpp or 1}
-        state.sequence_parallel = self.sequence_parallel
+        state = ParallelState(layout, timeout=self._timeout,
+                              virtual_pipeline_size=self.parallel.virtual_pipeline_model_parallel_size)
+        state.sequence_parallel = self.parallel.sequence_parallel
         self.parallel_state = state.activate()
-        self._seed_identically()
+        seed_identically(self.parallel_state, self.root_device)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-
-    def _seed_identically(self) -> None:
-        """Replicated activations need identical dropout on every tp rank: one seed for the world."""
-        state = self._state()
-        seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long, device=self.root_device)
-        dist.broadcast(seed, src=0)   # on the device NCCL needs, and read back from that same tensor
-        seed = int(seed.item())
-        torch.manual_seed(seed)
-        seed_tracker(state.rng_tracker, seed, state.tp_rank, state.ep_rank, state.etp_rank)
 
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
         assert self.model is not None and self.accelerator is not None
@@ -243,8 +194,8 @@ class MegatronStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._make_replicas_identical()
-        self._metrics_sync_over_data_parallel()
+        make_replicas_identical(self.model, self._state())
+        sync_metrics_over_data_parallel(self.model, self._state())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._setup_gradients()
@@ -255,11 +206,12 @@ class MegatronStrategy(ParallelStrategy):
         self._install_found_inf_sync()
         if self.engine is not None:
             self.engine.close()
+        graphs = self.graph_config
         self.engine = StepEngine(
-            self.lightning_module, self._state(), device=self.root_device, micro_batch_size=self.micro_batch_size,
-            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
-            cuda_graph=self.cuda_graph, cuda_graph_scope=self.cuda_graph_scope,
-            cuda_graph_warmup_steps=self.cuda_graph_warmup_steps, cuda_graph_backend=self.cuda_graph_backend)
+            self.lightning_module, self._state(), device=self.root_device, micro_batch_size=self.parallel.micro_batch_size,
+            microbatch_group_size_per_vp_stage=self.parallel.microbatch_group_size_per_vp_stage,
+            cuda_graph=graphs.cuda_graph, cuda_graph_scope=graphs.cuda_graph_scope,
+            cuda_graph_warmup_steps=graphs.cuda_graph_warmup_steps, cuda_graph_backend=graphs.cuda_graph_backend)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -270,27 +222,6 @@ class MegatronStrategy(ParallelStrategy):
             raise RuntimeError("the megatron strategy's process groups do not exist yet (before setup_environment).")
         return self.parallel_state
 
-    @torch.no_grad()
-    def _make_replicas_identical(self) -> None:
-        """Copies of one parameter must start equal: broadcast from the first rank of each group."""
-        state = self._state()
-        for param in list(self.model.parameters()) + list(self.model.buffers()):
-            expert = getattr(param, "expert_parallel", False)
-            name = "edp" if expert else "dp-cp"
-            if state.size(name) > 1:
-                dist.broadcast(param.data, src=state.ranks(name)[0], group=state.group(name))
-            if not expert and not getattr(param, "tensor_model_parallel", False) and state.tp_size > 1:
-                dist.broadcast(param.data, src=state.ranks("tp")[0], group=state.tp_group)
-
-    def _metrics_sync_over_data_parallel(self) -> None:
-        """torchmetrics sync over data-parallel replicas only: tp/pp peers saw the same samples."""
-        from torchmetrics import Metric
-
-        group = self._state().dp_cp_group
-        for module in self.model.modules():
-            if isinstance(module, Metric) and module.process_group is None:
-                module.process_group = group
-
     # -- gradient buffers and the distributed optimizer -----------------------------------------------
 
     def _setup_gradients(self) -> None:
@@ -299,11 +230,8 @@ class MegatronStrategy(ParallelStrategy):
         if self.gradients is not None:
             self.gradients.close()
         self._final_optimizer_states = {}
-        self.gradients = GradientState(
-            list(self.model.parameters()), self._state(), optimizers=self._raw_optimizers(), modules=[self.model],
-            overlap_grad_reduce=self.overlap_grad_reduce, bucket_size=self.bucket_size,
-            grad_reduce_in_fp32=self.grad_reduce_in_fp32, use_distributed_optimizer=self.use_distributed_optimizer,
-            overlap_param_gather=self.overlap_param_gather, device=self.root_device)
+        self.gradients = GradientState(list(self.model.parameters()), self._state(), optimizers=self._raw_optimizers(),
+                                       modules=[self.model], device=self.root_device, **vars(self.gradient_config))
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers of ``overlap_param_gather``: call before reading parameters
@@ -418,27 +346,14 @@ class MegatronStrategy(ParallelStrategy):
         return dataloader
 
     def on_predict_end(self) -> None:
-        """Predictions of every data-parallel rank, put back in dataset order on every rank.
-
-        Lightning's predict sampler gives data-parallel rank r the samples r, r+dp, r+2dp, ...
-        (padded by repeating the first ones): interleaving the ranks' outputs and trimming the padding
-        restores the order. Outputs that are not tensors with a batch dimension stay per rank.
-        """
-        state = self._state()
+        """Predictions of every data-parallel rank, put back in dataset order on every rank."""
         loop = self.lightning_module.trainer.predict_loop
-        if state.dp_size == 1 or not loop.return_predictions:
+        if self._state().dp_size == 1 or not loop.return_predictions:
             return
+        loaders = self.lightning_module.trainer.predict_dataloaders
         for index, batches in enumerate(loop._predictions):
-            if not batches or not all(isinstance(b, torch.Tensor) and b.dim() for b in batches):
-                continue
-            local = torch.cat([b.cpu() for b in batches])
-            gathered: List[Any] = [None] * state.dp_size
-            dist.all_gather_object(gathered, local, group=state.dp_group)
-            loaders = self.lightning_module.trainer.predict_dataloaders
             total = len((loaders[index] if isinstance(loaders, (list, tuple)) else loaders).dataset)
-            ordered = torch.stack(gathered, dim=1).flatten(0, 1)[:total]
-            per_batch = batches[0].shape[0] * state.dp_size
-            batches[:] = list(ordered.split(per_batch))
+            batches[:] = in_dataset_order(batches, self._state(), total)
 
     # -- gradients -------------------------------------------------------------------------------------
 

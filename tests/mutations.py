@@ -36,6 +36,7 @@ class Mutation:
     old: str        # text that occurs exactly once in it
     new: str
     tests: Tuple[str, ...]   # pytest node ids; at least one must fail
+    ci: bool = True          # run by tests/test_mutations.py (CI); the others by this script only
 
 
 FINALIZE = "lightning_megatron/distributed/finalize.py"
@@ -50,14 +51,14 @@ MUTATIONS: List[Mutation] = [
              (f"{UPDATES}[tp2]",)),
     Mutation("plain-no-sequence-parallel-reduce", FINALIZE,
              "        allreduce_sequence_parallel_grads(params, state.tp_group)\n", "        pass\n",
-             (f"{UPDATES}[tp2sp]",)),
+             (f"{UPDATES}[tp2sp]",), ci=False),
     Mutation("plain-no-tied-embedding-reduce", FINALIZE,
              "        allreduce_shared_embedding_grads(modules)  # middle stages return at once\n", "        pass\n",
              (f"{UPDATES}[pp2]",)),
     Mutation("plain-expert-divisor-is-edp-size", FINALIZE,
              "_all_reduce_coalesced(grads, state.group(name), divisor=divisor)",
              "_all_reduce_coalesced(grads, state.group(name), divisor=state.size(name))",
-             (f"{MOE_UPDATES}[tp2etp1]",)),
+             (f"{MOE_UPDATES}[tp2etp1]",), ci=False),
     Mutation("plain-expert-alone-not-divided", FINALIZE, "                grad.div_(divisor)\n",
              "                pass\n", (f"{MOE_UPDATES}[ep2]",)),
     # gradient buffers, overlapped reduction and the distributed optimizer share the buffers' divisor:
@@ -67,17 +68,17 @@ MUTATIONS: List[Mutation] = [
     *[Mutation(f"{path}-divisor-with-tp", GRADIENTS, BUFFER_DIVISOR, 'divisor=state.size("tp-dp-cp")',
                (f"{UPDATES}[dp2tp2sp-{path}]",)) for path in ("buffers", "overlap", "distopt")],
     Mutation("buffers-no-sequence-parallel-reduce", FINALIZE, "            if partial:\n",
-             "            if False:\n", (f"{UPDATES}[dp2tp2sp-buffers]",)),
+             "            if False:\n", (f"{UPDATES}[dp2tp2sp-buffers]",), ci=False),
     Mutation("buffers-no-tied-embedding-reduce", FINALIZE,
              "embedding = (lambda: allreduce_shared_embedding_grads(modules)) if state.pp_size > 1 else None",
              "embedding = None", (f"{UPDATES}[dp2pp2-buffers]",)),
     Mutation("distopt-divides-rank0-shard-only", "lightning_megatron/distributed/grad_buffer.py",
              "            lo, hi = self.shard_range(bucket)\n            self.data[lo:hi].div_(self.divisor)",
              "            lo, hi = self.shard_range(bucket, rank=0)\n            self.data[lo:hi].div_(self.divisor)",
-             (f"{UPDATES}[dp4-distopt]",)),
+             (f"{UPDATES}[dp4-distopt]",), ci=False),
     Mutation("expert-buffers-over-dense-group", "lightning_megatron/distributed/data_parallel.py",
              "expert_group if expert else dense_group", "dense_group",
-             (f"{MOE_UPDATES}[dp4ep2-buffers]",)),
+             (f"{MOE_UPDATES}[dp4ep2-buffers]",), ci=False),
     # MoE balancing losses and exact resume
     Mutation("aux-loss-scale-off-by-cp", "lightning_megatron/engine/step.py",
              "aux_loss_scale * state.cp_size / len(microbatches)", "aux_loss_scale / len(microbatches)",
@@ -88,7 +89,7 @@ MUTATIONS: List[Mutation] = [
     # clipping by the whole model's norm
     Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
              "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",
-             ("tests/test_strategy.py::test_losses_match_single_process_with_clipping[tp2]",)),
+             ("tests/test_strategy.py::test_losses_match_single_process_with_clipping[tp2]",), ci=False),
 ]
 
 

@@ -291,5 +291,5 @@ def test_sequence_parallel_without_tensor_parallelism_warns_and_is_off():
 
     with pytest.warns(UserWarning, match="sequence_parallel=True does nothing with tensor_model_parallel_size=1"):
         strategy = MegatronStrategy(sequence_parallel=True)
-    assert strategy.sequence_parallel is False
-    assert MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True).sequence_parallel is True
+    assert strategy.parallel.sequence_parallel is False
+    assert MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True).parallel.sequence_parallel is True

@@ -1,0 +1,58 @@
+"""What every rank must agree on before the first step: seeds, replicated parameters, metric groups."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import ParallelState
+from ..tensor_parallel.random import seed_tracker
+
+
+def seed_identically(state: ParallelState, device: torch.device) -> int:
+    """One seed for the world (rank 0's), so replicated activations draw identical dropout on every tp rank;
+    the tracker's tp/ep streams are derived from it. Returns the seed."""
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long, device=device)
+    dist.broadcast(seed, src=0)   # on the device NCCL needs, and read back from that same tensor
+    value = int(seed.item())
+    torch.manual_seed(value)
+    seed_tracker(state.rng_tracker, value, state.tp_rank, state.ep_rank, state.etp_rank)
+    return value
+
+
+@torch.no_grad()
+def make_replicas_identical(model: nn.Module, state: ParallelState) -> None:
+    """Copies of one parameter must start equal: broadcast from the first rank of each group that holds copies
+    (dp·cp for dense parameters, edp for experts, and tp for what tensor parallelism replicates)."""
+    for param in list(model.parameters()) + list(model.buffers()):
+        expert = getattr(param, "expert_parallel", False)
+        name = "edp" if expert else "dp-cp"
+        if state.size(name) > 1:
+            dist.broadcast(param.data, src=state.ranks(name)[0], group=state.group(name))
+        if not expert and not getattr(param, "tensor_model_parallel", False) and state.tp_size > 1:
+            dist.broadcast(param.data, src=state.ranks("tp")[0], group=state.tp_group)
+
+
+def sync_metrics_over_data_parallel(model: nn.Module, state: ParallelState) -> None:
+    """torchmetrics objects sync over data-parallel replicas only: tp/cp/pp peers saw the same samples."""
+    from torchmetrics import Metric
+
+    for module in model.modules():
+        if isinstance(module, Metric) and module.process_group is None:
+            module.process_group = state.dp_cp_group
+
+
+def in_dataset_order(batches: List[Any], state: ParallelState, total: int) -> List[Any]:
+    """Per-batch predictions of every data-parallel rank, interleaved back into dataset order (a collective
+    over dp). A distributed sampler gives rank r the samples r, r+dp, r+2dp, ... (padded by repeating the
+    first ones); outputs that are not tensors with a batch dimension are returned as they are."""
+    if state.dp_size == 1 or not batches or not all(isinstance(b, torch.Tensor) and b.dim() for b in batches):
+        return batches
+    local = torch.cat([b.cpu() for b in batches])
+    gathered: List[Any] = [None] * state.dp_size
+    dist.all_gather_object(gathered, local, group=state.dp_group)
+    ordered = torch.stack(gathered, dim=1).flatten(0, 1)[:total]
+    return list(ordered.split(batches[0].shape[0] * state.dp_size))
