@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,13 +94,30 @@ def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
     return box[0]
 
 
-def replay(module: Any, records: Dict[str, Record], device: torch.device,
-           default_sync_group: Optional[dist.ProcessGroup]) -> None:
-    """Log ``records`` for real; ``sync_dist`` reduces over the data-parallel replicas only."""
+class _DataParallelGroup:
+    """Stands for the data-parallel (dp x cp) group as ``sync_dist_group``; the strategy's ``reduce`` puts in
+    the group of the current run. Lightning compares every ``self.log`` call with the first one of that name
+    for the Trainer's whole life, and ``setup_environment`` builds new process groups for each
+    ``fit``/``validate``/``test``: passing the group itself made the second run fail ("twice ... with
+    different arguments"). One object, the same in every run."""
+
+    def __repr__(self) -> str:
+        return "DATA_PARALLEL_GROUP"
+
+    def __reduce__(self) -> str:
+        return "DATA_PARALLEL_GROUP"   # pickles as this module's one instance
+
+
+DATA_PARALLEL_GROUP = _DataParallelGroup()
+
+
+def replay(module: Any, records: Dict[str, Record], device: torch.device) -> None:
+    """Log ``records`` for real; ``sync_dist`` reduces over the data-parallel replicas only
+    (``DATA_PARALLEL_GROUP``, which the strategy's ``reduce`` resolves)."""
     for name, (value, args, kwargs) in records.items():
         kwargs = dict(kwargs)
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
-            kwargs["sync_dist_group"] = default_sync_group
+            kwargs["sync_dist_group"] = DATA_PARALLEL_GROUP
         module.log(name, torch.as_tensor(value).to(device), *args, **kwargs)
 
 

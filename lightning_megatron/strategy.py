@@ -40,12 +40,13 @@ from .engine import StepEngine, StepResult
 from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
                               sync_metrics_over_data_parallel)
 from .config import CudaGraphConfig, GradientConfig, ParallelConfig
+from .transformer.config import model_defaults
 from .parallel import ParallelState
 from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .rng_state import capture_rng_state, restore_rng_state
-from .step_logging import broadcast_from_last_stage, replay
+from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 
@@ -175,7 +176,6 @@ class MegatronStrategy(ParallelStrategy):
             self.parallel_state.destroy()
         state = ParallelState(layout, timeout=self._timeout,
                               virtual_pipeline_size=self.parallel.virtual_pipeline_model_parallel_size)
-        state.sequence_parallel = self.parallel.sequence_parallel
         self.parallel_state = state.activate()
         seed_identically(self.parallel_state, self.root_device)
 
@@ -212,6 +212,12 @@ class MegatronStrategy(ParallelStrategy):
             microbatch_group_size_per_vp_stage=self.parallel.microbatch_group_size_per_vp_stage,
             cuda_graph=graphs.cuda_graph, cuda_graph_scope=graphs.cuda_graph_scope,
             cuda_graph_warmup_steps=graphs.cuda_graph_warmup_steps, cuda_graph_backend=graphs.cuda_graph_backend)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` runs inside: models built there take the strategy's ``sequence_parallel``."""
+        with model_defaults(sequence_parallel=self.parallel.sequence_parallel):
+            yield
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -293,7 +299,7 @@ class MegatronStrategy(ParallelStrategy):
         return {"loss": result.loss}
 
     def _replay_logs(self, result: StepResult) -> None:
-        replay(self.lightning_module, result.logs, self.root_device, self._state().dp_cp_group)
+        replay(self.lightning_module, result.logs, self.root_device)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran every backward inside ``training_step``: hand its gradients back."""
@@ -408,6 +414,8 @@ class MegatronStrategy(ParallelStrategy):
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
         from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
+        if group is DATA_PARALLEL_GROUP:   # what the replayed logs sync over: this run's data-parallel group
+            group = self._state().dp_cp_group
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

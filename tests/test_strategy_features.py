@@ -293,3 +293,71 @@ def test_sequence_parallel_without_tensor_parallelism_warns_and_is_off():
         strategy = MegatronStrategy(sequence_parallel=True)
     assert strategy.parallel.sequence_parallel is False
     assert MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True).parallel.sequence_parallel is True
+
+
+class _LinearModule(L.LightningModule):
+    """A plain ``nn.Linear`` module that logs with ``sync_dist=True`` in validation and test."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def _loss(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+
+def _repeat_validate_and_test(strategy):
+    """validate twice, then test twice, on one Trainer; every run's logged metrics."""
+    from torch.utils.data import TensorDataset
+
+    world = int(os.environ["WORLD_SIZE"])
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    loader = DataLoader(data, batch_size=8 // world)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    module = _LinearModule()
+    runs = [trainer.validate(module, loader, verbose=False), trainer.validate(module, loader, verbose=False),
+            trainer.test(module, loader, verbose=False), trainer.test(module, loader, verbose=False)]
+    return [{k: float(v) for k, v in run[0].items()} for run in runs]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_validate_and_test_twice_on_one_trainer(world):
+    """Issue 18 item 1: the second validate/test on one Trainer logged with other arguments and failed."""
+    ref = run_on_ranks(_repeat_validate_and_test, 1, "auto", timeout=120)[0]
+    for runs in run_on_ranks(_repeat_validate_and_test, world, "megatron", timeout=180):
+        assert len(runs) == 4
+        for run, expected in zip(runs, ref):
+            assert run.keys() == expected.keys()
+            for k in expected:
+                assert run[k] == pytest.approx(expected[k], rel=1e-6)
+
+
+def _built_with_sequence_parallel(kwargs):
+    from strategy_utils import TinyGPT
+
+    seen = {}
+
+    class Probe(TinyGPT):
+        def configure_model(self):
+            super().configure_model()
+            seen["sp"] = [chunk.config.sequence_parallel for chunk in self.model.chunks]
+
+    fit_tiny_gpt(kwargs, max_steps=1, module_cls=Probe)
+    return seen["sp"]
+
+
+def test_models_built_in_configure_model_follow_the_strategys_sequence_parallel():
+    on = run_on_ranks(_built_with_sequence_parallel, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                      timeout=120)
+    off = run_on_ranks(_built_with_sequence_parallel, 2, dict(tensor_model_parallel_size=2), timeout=120)
+    assert on == [[True], [True]] and off == [[False], [False]]

@@ -55,7 +55,6 @@ class ParallelState:
         self.world_size = world
         self.coords: Dict[str, int] = layout.coords(self.rank)
         self.virtual_pipeline_size = virtual_pipeline_size
-        self.sequence_parallel = False   # the strategy's flag; models built under it follow it
         self.virtual_pipeline_rank: Optional[int] = 0 if virtual_pipeline_size else None
         from ..tensor_parallel.random import RNGStatesTracker, seed_tracker  # runtime: no package cycle
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -124,13 +126,26 @@ def check_splits_over_tensor_parallel(name: str, value: int, tp_size: int, why: 
         f"tensor_model_parallel_size that divides {value} (e.g. {' or '.join(map(str, divisors))}).")
 
 
+_MODEL_DEFAULTS: ContextVar[Dict[str, Any]] = ContextVar("lightning_megatron_model_defaults", default={})
+
+
+@contextmanager
+def model_defaults(**fields: Any) -> Iterator[None]:
+    """Config fields that models built inside this block take unless their config sets them (the strategy
+    wraps ``configure_model`` in it: users set ``sequence_parallel`` once, on ``MegatronStrategy``)."""
+    unknown = set(fields) - {"sequence_parallel"}
+    if unknown:
+        raise ValueError(f"model_defaults takes sequence_parallel only, not {sorted(unknown)}.")
+    token = _MODEL_DEFAULTS.set({**_MODEL_DEFAULTS.get(), **fields})
+    try:
+        yield
+    finally:
+        _MODEL_DEFAULTS.reset(token)
+
+
 def with_strategy_defaults(config: TransformerConfig) -> TransformerConfig:
-    """``config`` with the strategy's ``sequence_parallel=True`` applied, if the strategy asked for it.
-
-    Users set sequence parallelism once, on ``MegatronStrategy``; every model built under it follows.
-    """
-    from ..parallel import get_parallel_state, has_parallel_state
-
-    if has_parallel_state() and get_parallel_state().sequence_parallel and not config.sequence_parallel:
+    """``config`` with the strategy's ``sequence_parallel=True`` applied, if the model is built under
+    :func:`model_defaults` that asks for it."""
+    if _MODEL_DEFAULTS.get().get("sequence_parallel") and not config.sequence_parallel:
         return dataclasses.replace(config, sequence_parallel=True)
     return config
