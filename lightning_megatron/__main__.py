@@ -1,24 +1,15 @@
 """``python -m lightning_megatron fit --config cfg.yaml`` (also the ``lightning-megatron`` command).
 
-LightningCLI with any LightningModule / LightningDataModule named by ``class_path``;
-``trainer.strategy: megatron`` works because importing this package registers the name.
+LightningCLI with any LightningModule / LightningDataModule named by ``class_path``; see
+:mod:`lightning_megatron.cli` for what it adds (``--trainer.strategy megatron`` with options, one-line
+user errors, ``LIGHTNING_MEGATRON_TRACEBACK=1`` for the full traceback).
 """
 
 from __future__ import annotations
 
-import sys
-from typing import List, Optional
+from lightning_megatron.cli import main
 
-import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
-
-import lightning_megatron  # noqa: F401  (registers strategy="megatron")
-
-
-def main(args: Optional[List[str]] = None) -> None:
-    LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                 save_config_kwargs={"overwrite": True}, args=args)
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
