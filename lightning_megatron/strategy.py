@@ -35,7 +35,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from .checkpoint import load_rank_state, load_sharded, save_sharded
 from .distributed import FullOptimizerView
-from .distributed.gradients import GradientState
+from .distributed.gradients import GradientState, checkpoint_views
 from .engine import StepEngine, StepResult
 from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
                               sync_metrics_over_data_parallel)
@@ -236,8 +236,8 @@ class MegatronStrategy(ParallelStrategy):
         if self.gradients is not None:
             self.gradients.close()
         self._final_optimizer_states = {}
-        self.gradients = GradientState(list(self.model.parameters()), self._state(), optimizers=self._raw_optimizers(),
-                                       modules=[self.model], device=self.root_device, **vars(self.gradient_config))
+        self.gradients = GradientState(list(self.model.parameters()), self._state(), self.gradient_config,
+                                       optimizers=self._raw_optimizers(), modules=[self.model], device=self.root_device)
 
     def finish_param_sync(self) -> None:
         """Wait for the parameter all-gathers of ``overlap_param_gather``: call before reading parameters
@@ -249,8 +249,8 @@ class MegatronStrategy(ParallelStrategy):
         """The user's optimizer steps on its shards; then every rank's parameters are made whole again."""
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.gradients.after_optimizer_step()
-        if self.engine.has_routers:
-            update_expert_biases(self.lightning_module)   # aux-loss-free balancing: after the step
+        if self.engine.routers:
+            update_expert_biases(self.engine.routers)   # aux-loss-free balancing: after the step
         return out
 
     def on_train_end(self) -> None:
@@ -484,9 +484,8 @@ class MegatronStrategy(ParallelStrategy):
     def _checkpoint_optimizers(self, saving: bool) -> List[Any]:
         """What the sharded checkpoint reads and writes: each optimizer as the plain optimizer over the
         model's parameters, so one format reshards TP/PP/EP/DP with or without the distributed optimizer."""
-        if self.gradients is None:
-            return [self._final_optimizer_states.get(id(opt), opt) if saving else opt for opt in self._raw_optimizers()]
-        return self.gradients.optimizer_views(self._raw_optimizers(), saving, self._final_optimizer_states)
+        sharded = self.gradients.distributed_optimizer if self.gradients is not None else None
+        return checkpoint_views(self._raw_optimizers(), saving, sharded, self._final_optimizer_states)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -136,19 +136,15 @@ def full_parameters(module):
     """
     import torch.distributed as dist
 
-    from lightning_megatron.models.sharding import full_of, global_names
+    from lightning_megatron.models.sharding import global_names
     from lightning_megatron.parallel import get_parallel_state
-    from lightning_megatron.tensor_parallel.mappings import gather_along_dim
+    from tp_utils import full_tensor
 
     state = get_parallel_state()
     names = global_names(module)
     mine = {}
     for local, param in module.named_parameters():
-        if getattr(param, "expert_parallel", False):
-            full = gather_along_dim(full_of(param.detach(), param, state.group("etp")).contiguous(), 0,
-                                    state.group("ep"))
-        else:
-            full = full_of(param.detach(), param, state.tp_group)
+        full = full_tensor(param, param, state)
         if local.endswith(("word_embeddings.weight", "output_weight")):
             full = full[:VOCAB]   # rows past the vocabulary pad the table for TP
         mine[names[local]] = full.float().cpu().clone()

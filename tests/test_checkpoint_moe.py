@@ -5,11 +5,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.checkpoint import load_sharded, save_sharded
-from lightning_megatron.models.sharding import full_of
 from lightning_megatron.moe import MoEConfig, MoELayer
-from lightning_megatron.tensor_parallel.mappings import gather_along_dim
 from lightning_megatron.testing import run_on_ranks
 from checkpoint_utils import activate, assert_same
+from tp_utils import full_tensor
 
 S, B, H = 4, 2, 8
 
@@ -24,10 +23,7 @@ class TinyMoE(nn.Module):
         return self.moe(x)
 
 
-def _full(t, param, state):
-    if getattr(param, "expert_parallel", False):
-        return gather_along_dim(full_of(t.detach(), param, state.group("etp")).contiguous(), 0, state.group("ep"))
-    return full_of(t.detach(), param, state.tp_group)
+_full = full_tensor
 
 
 def _view(model, optimizer, state):

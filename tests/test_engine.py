@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_megatron.config import GradientConfig
 from lightning_megatron.distributed.gradients import GradientState
 from lightning_megatron.engine import StepEngine
 from lightning_megatron.models import GPTModel
@@ -61,8 +62,8 @@ def _engine_loop(layout, micro_batch_size, vpp=None, **gradient_options):
     module = TinyLM()
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     engine = StepEngine(module, state, device=torch.device("cpu"), micro_batch_size=micro_batch_size)
-    grads = GradientState(list(module.parameters()), state, optimizers=[optimizer], modules=[module],
-                          **gradient_options)
+    grads = GradientState(list(module.parameters()), state, GradientConfig(**gradient_options), optimizers=[optimizer],
+                          modules=[module])
     per_rank = GLOBAL_BATCH // state.dp_size
     mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
 

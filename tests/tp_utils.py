@@ -33,3 +33,11 @@ def full_param(shard, state):
 
 def full_grad(param, state):
     return full_of(param.grad.detach(), param, state.tp_group)
+
+
+def full_tensor(tensor, param, state):
+    """The single-process tensor of ``param`` (or of a tensor shaped like it, e.g. optimizer state): expert
+    shards joined over etp then gathered over ep (dim 0 counts experts), other shards joined over tp."""
+    if getattr(param, "expert_parallel", False):
+        return gather_along_dim(full_of(tensor.detach(), param, state.group("etp")).contiguous(), 0, state.group("ep"))
+    return full_of(tensor.detach(), param, state.tp_group)

@@ -50,9 +50,13 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
             local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
                 torch.zeros((), device=device)
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        else:   # one fused (foreach) norm per device and dtype, not a few kernels per parameter
-            local = (torch.nn.utils.get_total_norm([g.detach() for g in grads], norm_type).float() ** norm_type
-                     if grads else torch.zeros((), device=device))
+        else:
+            local = torch.zeros((), device=device)
+            for same in _by_device_and_dtype(grads).values():
+                # one foreach kernel per device and dtype, each norm accumulated and returned in float32
+                # (bf16 norms would round the total to ~3 digits; the clip coefficient needs it exact)
+                norms = torch._foreach_norm(same, norm_type, dtype=torch.float32)
+                local = local + torch.stack(norms).pow(norm_type).sum().to(device)
             dist.all_reduce(local, group=group)
         totals.append(local)
     if math.isinf(norm_type):
@@ -67,11 +71,16 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: Paral
     params: List[nn.Parameter] = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, state, norm_type, sharded, device)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        by_kind[(p.grad.device, p.grad.dtype)].append(p.grad.detach())
-    for (grad_device, dtype), grads in by_kind.items():
+    for (grad_device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
         # one foreach kernel per (device, dtype), the coefficient in the gradients' dtype: a float32
         # coefficient on bf16 gradients would take the slow type-promoting path, one kernel per tensor
         torch._foreach_mul_(grads, coefficient.to(device=grad_device, dtype=dtype))
     return total
+
+
+def _by_device_and_dtype(grads: Iterable[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
+    """Gradients grouped so that each foreach kernel sees one device and one dtype (its fast path)."""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        groups[(grad.device, grad.dtype)].append(grad.detach())
+    return groups

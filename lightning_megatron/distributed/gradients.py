@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import GradientConfig
 from ..parallel import ParallelState
 from .clip import clip_grad_norm
 from .data_parallel import DataParallelGrads, default_bucket_size
@@ -36,35 +37,33 @@ class GradientState:
     """The gradients of ``params`` under ``state``'s layout.
 
     ``optimizers``: the plain optimizers over the model (the distributed optimizer re-points them at its
-    float32 shards). The buffer options are the strategy's arguments of the same names; with none of
-    them set, gradients stay in ``.grad``.
+    float32 shards). ``config``: the buffer options (the strategy's arguments of the same names); with none
+    of them set, gradients stay in ``.grad``.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], state: ParallelState, *,
-                 optimizers: Sequence[torch.optim.Optimizer] = (), modules: Sequence[nn.Module] = (),
-                 overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
-                 grad_reduce_in_fp32: bool = False, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False, device: Optional[torch.device] = None) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], state: ParallelState, config: GradientConfig = GradientConfig(),
+                 *, optimizers: Sequence[torch.optim.Optimizer] = (), modules: Sequence[nn.Module] = (),
+                 device: Optional[torch.device] = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.state = state
         self.device = device
         self.buffers: Optional[DataParallelGrads] = None
         self.distributed_optimizer: Optional[DistributedOptimizer] = None
         self._hidden: List[Any] = []
-        if not (overlap_grad_reduce or use_distributed_optimizer or grad_reduce_in_fp32 or bucket_size is not None):
+        if not config.uses_buffers:
             return
         dp_cp = state.size("dp-cp")
         self.buffers = DataParallelGrads(
             self.params, dense_group=state.dp_cp_group, expert_group=state.edp_group, divisor=dp_cp,
-            overlap_grad_reduce=overlap_grad_reduce,
-            bucket_size=bucket_size or default_bucket_size(overlap_grad_reduce, dp_cp),
-            grad_reduce_in_fp32=grad_reduce_in_fp32, shard=use_distributed_optimizer,
+            overlap_grad_reduce=config.overlap_grad_reduce,
+            bucket_size=config.bucket_size or default_bucket_size(config.overlap_grad_reduce, dp_cp),
+            grad_reduce_in_fp32=config.grad_reduce_in_fp32, shard=config.use_distributed_optimizer,
             isolate=lambda p: state.pp_size > 1 and getattr(p, "shared_embedding", False))
-        if use_distributed_optimizer:
+        if config.use_distributed_optimizer:
             if state.tp_size > 1:
                 self._check_buffers_line_up_over_tp()
             self.distributed_optimizer = DistributedOptimizer(list(optimizers), self.buffers, modules=list(modules),
-                                                              overlap_param_gather=overlap_param_gather)
+                                                              overlap_param_gather=config.overlap_param_gather)
 
     @property
     def sharded(self) -> bool:
@@ -146,22 +145,6 @@ class GradientState:
         self._hidden = []
 
     # -- checkpoints and the end -----------------------------------------------------------------------
-    def optimizer_views(self, optimizers: Sequence[torch.optim.Optimizer], saving: bool,
-                        gathered: Dict[int, FullOptimizerView]) -> List[Any]:
-        """Each optimizer as the plain optimizer over the whole model (gathered over data parallelism under
-        the distributed optimizer), so one checkpoint format reshards with or without it."""
-        out: List[Any] = []
-        dist_opt = self.distributed_optimizer
-        for optimizer in optimizers:
-            if dist_opt is not None and optimizer in dist_opt.optimizers:
-                out.append(FullOptimizerView.gather(dist_opt, optimizer) if saving
-                           else FullOptimizerView.to_load(dist_opt, optimizer))
-            elif saving and id(optimizer) in gathered:
-                out.append(gathered[id(optimizer)])
-            else:
-                out.append(optimizer)
-        return out
-
     def gather_optimizer_states(self) -> Dict[int, FullOptimizerView]:
         """The whole optimizer state (host memory), kept for a save after the process groups are gone."""
         if self.distributed_optimizer is None:
@@ -179,3 +162,21 @@ class GradientState:
         if self.buffers is not None:
             self.buffers.close()
         self.buffers, self.distributed_optimizer = None, None
+
+
+def checkpoint_views(optimizers: Sequence[torch.optim.Optimizer], saving: bool,
+                     distributed_optimizer: Optional[DistributedOptimizer],
+                     gathered: Dict[int, FullOptimizerView]) -> List[Any]:
+    """Each optimizer as the plain optimizer over the whole model, so one checkpoint format reshards with or
+    without the distributed optimizer: a view gathered over data parallelism under it, the state gathered at
+    the end of fit (``gathered``, saved after the groups are gone), else the optimizer itself."""
+    out: List[Any] = []
+    for optimizer in optimizers:
+        if distributed_optimizer is not None and optimizer in distributed_optimizer.optimizers:
+            out.append(FullOptimizerView.gather(distributed_optimizer, optimizer) if saving
+                       else FullOptimizerView.to_load(distributed_optimizer, optimizer))
+        elif saving and id(optimizer) in gathered:
+            out.append(gathered[id(optimizer)])
+        else:
+            out.append(optimizer)
+    return out

@@ -12,6 +12,7 @@ outputs of forward-only steps. Gradient reduction, clipping and the optimizer ar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional
 
@@ -64,6 +65,13 @@ class _CaptureOnly:
         return "<step callables, run at capture>"
 
 
+@functools.lru_cache(maxsize=16)
+def _schedule_order(num_microbatches: int, pp_size: int, pp_rank: int, chunks: int,
+                    group_size: Optional[int]) -> tuple:
+    """The order this rank runs its layers in: a pure function of integers, computed once per shape."""
+    return tuple(schedule_order(num_microbatches, pp_size, pp_rank, chunks, group_size))
+
+
 def pipeline_roots(module: nn.Module) -> List[nn.Module]:
     """Outermost modules that take the previous stage's activation (``set_input_tensor``)."""
     roots: List[tuple] = []
@@ -103,7 +111,7 @@ class StepEngine:
         self.chunks = state.virtual_pipeline_size or 1
         self.roots = pipeline_roots(module)
         self.stage_dtype = activation_dtype(module)
-        self.has_routers = any(isinstance(m, TopKRouter) for m in module.modules())
+        self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]   # found once, set every step
         self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
@@ -166,15 +174,18 @@ class StepEngine:
         results: List[Any] = []
         shapes: List[tuple] = []
 
+        record_shapes = self.full_graph is not None and state.pp_size > 1   # what a full-step capture needs
+
         def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
             for root in roots:
                 root.set_input_tensor(ctx.input_tensor)
-            if ctx.input_tensor is not None:
+            if record_shapes and ctx.input_tensor is not None:
                 shapes.append(tuple(ctx.input_tensor.shape))
             with step_context():
                 if not ctx.is_last_stage:
                     activation = module(microbatch)
-                    shapes.append(tuple(activation.shape))
+                    if record_shapes:
+                        shapes.append(tuple(activation.shape))
                     return activation
                 with capture.microbatch():
                     out = last_stage(microbatch)
@@ -184,15 +195,15 @@ class StepEngine:
             results.append(out[1])
             return out
 
-        if self.has_routers and not forward_only:
+        if self.routers and not forward_only:
             # ... and the executor's 1/micro-batches. Gradients are averaged over dp·cp, which makes the
             # user's per-rank mean losses one mean; the balancing losses are partial sums over the cp
             # ranks' shares of each sequence, so their gradients are multiplied back by cp.
-            set_aux_loss_scale(module, aux_loss_scale * state.cp_size / len(microbatches))
+            set_aux_loss_scale(self.routers, aux_loss_scale * state.cp_size / len(microbatches))
         if self.partial_graphs is not None and not forward_only:
             # per-layer graphs replay in exactly the order this schedule runs the layers
-            self.partial_graphs.begin_step(schedule_order(len(microbatches), state.pp_size, state.pp_rank,
-                                                          self.chunks, self.group_size))
+            self.partial_graphs.begin_step(_schedule_order(len(microbatches), state.pp_size, state.pp_rank,
+                                                           self.chunks, self.group_size))
         if in_graph and self._static_activation_shape is not None:
             shape_args: Dict[str, Any] = {"tensor_shape": self._static_activation_shape, "variable_seq_lengths": False}
         else:   # sent ahead (any length); inside a full-step graph nothing may be read on the host

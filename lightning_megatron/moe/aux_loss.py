@@ -19,7 +19,7 @@ balancing losses are partial sums over them: the scale is then multiplied by the
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -97,12 +97,13 @@ def _routers(module: nn.Module):
     return [m for m in module.modules() if isinstance(m, TopKRouter)]
 
 
-def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
-    """Set the gradient scale of every router's balancing losses in ``module``.
+def set_aux_loss_scale(module: Union[nn.Module, Iterable[nn.Module]], scale: float) -> None:
+    """Set the gradient scale of every router's balancing losses in ``module`` (or of the given routers:
+    a training loop that sets it every step finds them once).
 
     Call it with the factor the main loss is multiplied by (e.g. ``1 / num_microbatches``).
     """
-    for router in _routers(module):
+    for router in (_routers(module) if isinstance(module, nn.Module) else module):
         router.aux_loss_scale = float(scale)
 
 
