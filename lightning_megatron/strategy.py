@@ -42,14 +42,12 @@ from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_id
 from .config import CudaGraphConfig, GradientConfig, ParallelConfig
 from .transformer.config import model_defaults
 from .parallel import ParallelState
+from .precision import parallel_precision
 from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .rng_state import capture_rng_state, restore_rng_state
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
-
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
-
 
 class MegatronStrategy(ParallelStrategy):
     """Tensor (+sequence), pipeline (1F1B / interleaved), data, context and expert parallelism.
@@ -187,10 +185,7 @@ class MegatronStrategy(ParallelStrategy):
 
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
         assert self.model is not None and self.accelerator is not None
-        precision = trainer.precision
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(f"precision={precision!r} is not supported by the megatron strategy; use one of "
-                             f"{list(SUPPORTED_PRECISION)}.")
+        self.precision_plugin = parallel_precision(self.precision_plugin, None)   # checked before any work
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -199,11 +194,10 @@ class MegatronStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._setup_gradients()
+        self.precision_plugin = parallel_precision(self.precision_plugin, self.gradients)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_gradient_clipping()
-        self._install_found_inf_sync()
         if self.engine is not None:
             self.engine.close()
         graphs = self.graph_config
@@ -360,38 +354,6 @@ class MegatronStrategy(ParallelStrategy):
         for index, batches in enumerate(loop._predictions):
             total = len((loaders[index] if isinstance(loaders, (list, tuple)) else loaders).dataset)
             batches[:] = in_dataset_order(batches, self._state(), total)
-
-    # -- gradients -------------------------------------------------------------------------------------
-
-    def _install_gradient_clipping(self) -> None:
-        """Lightning clips per process; a parallel model must clip by the norm of the whole model."""
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.gradients.clip_by_norm(params, clip_val)
-
-        def clip_grad_by_value(optimizer: Any, clip_val: Union[int, float]) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-        plugin.clip_grad_by_value = clip_grad_by_value
-
-    def _install_found_inf_sync(self) -> None:
-        """16-mixed: every rank must skip the same steps, so overflow found anywhere counts everywhere."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None:
-            return
-        unscale = scaler.unscale_
-
-        def unscale_and_agree(optimizer: Any) -> None:
-            unscale(optimizer)
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            for tensor in found.values():
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-
-        scaler.unscale_ = unscale_and_agree
 
     # -- collectives with Lightning's semantics on the world group -------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,32 +32,55 @@ def _counted(param: nn.Parameter, state: ParallelState) -> bool:
     return True
 
 
+class ClipPlan(NamedTuple):
+    """Which parameters count towards the norm, split by the group their sums are reduced over. The
+    split depends only on the parameters and the layout: build it once per parameter list."""
+
+    dense: List[nn.Parameter]
+    expert: List[nn.Parameter]
+
+
+def clip_plan(params: Iterable[nn.Parameter], state: ParallelState) -> ClipPlan:
+    counted = [p for p in params if _counted(p, state)]
+    return ClipPlan([p for p in counted if not getattr(p, "expert_parallel", False)],
+                    [p for p in counted if getattr(p, "expert_parallel", False)])
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_type: float = 2.0,
-                     sharded: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+                     sharded: bool = False, device: Optional[torch.device] = None,
+                     plan: Optional[ClipPlan] = None) -> torch.Tensor:
     """The norm of all gradients of the model, identical on every rank (a collective).
 
     ``sharded``: ``params`` are data-parallel shards (distributed optimizer). ``device``: where the
     reduction runs when this rank holds no gradient (default: the first gradient's device, or CPU).
+    ``plan``: ``clip_plan(params, state)``, when the caller keeps it between steps.
     """
     params = [p for p in params if p.grad is not None]
-    dense = [p.grad for p in params if _counted(p, state) and not getattr(p, "expert_parallel", False)]
-    expert = [p.grad for p in params if _counted(p, state) and getattr(p, "expert_parallel", False)]
+    plan = plan or clip_plan(params, state)
+    dense = [p.grad for p in plan.dense if p.grad is not None]
+    expert = [p.grad for p in plan.expert if p.grad is not None]
     device = params[0].grad.device if params else (device or torch.device("cpu"))
     totals = []
     for grads, name in ((dense, "mp"), (expert, "tp-ep-pp")):
         group = None if sharded else state.group(name)   # None: the world, i.e. also over the data shards
+        alone = dist.get_world_size() == 1 if sharded else state.size(name) == 1   # nothing to reduce
         if math.isinf(norm_type):
             local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
                 torch.zeros((), device=device)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            if not alone:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         else:
-            local = torch.zeros((), device=device)
+            local = None
             for same in _by_device_and_dtype(grads).values():
                 # one foreach kernel per device and dtype, each norm accumulated and returned in float32
                 # (bf16 norms would round the total to ~3 digits; the clip coefficient needs it exact)
                 norms = torch._foreach_norm(same, norm_type, dtype=torch.float32)
-                local = local + torch.stack(norms).pow(norm_type).sum().to(device)
-            dist.all_reduce(local, group=group)
+                part = torch.stack(norms).pow(norm_type).sum().to(device)
+                local = part if local is None else local + part
+            if local is None:
+                local = torch.zeros((), device=device)
+            if not alone:
+                dist.all_reduce(local, group=group)
         totals.append(local)
     if math.isinf(norm_type):
         return torch.maximum(totals[0], totals[1])
@@ -66,10 +89,10 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: ParallelState,
                    norm_type: float = 2.0, sharded: bool = False,
-                   device: Optional[torch.device] = None) -> torch.Tensor:
+                   device: Optional[torch.device] = None, plan: Optional[ClipPlan] = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parallel model: same norm, same coefficient."""
     params: List[nn.Parameter] = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, state, norm_type, sharded, device)
+    total = global_grad_norm(params, state, norm_type, sharded, device, plan)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for (grad_device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
         # one foreach kernel per (device, dtype), the coefficient in the gradients' dtype: a float32

@@ -21,7 +21,7 @@ shard right.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,13 +54,16 @@ def data_parallel_buckets(params: Iterable[nn.Parameter]) -> Dict[Tuple[str, tor
 
 
 def finalize_model_grads(modules: Iterable[nn.Module], state: ParallelState,
-                         reduce_data_parallel: bool = True, grads: Optional[DataParallelGrads] = None) -> None:
+                         reduce_data_parallel: bool = True, grads: Optional[DataParallelGrads] = None,
+                         params: Optional[Sequence[nn.Parameter]] = None) -> None:
     """Collective over the whole world: call on every rank after the schedule's last backward.
 
     ``grads``: the model's gradient buffers, when gradients live there (``param.main_grad``).
+    ``params``: the modules' trainable parameters, when the caller keeps the list between steps.
     """
     modules = list(modules)
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if params is None:
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
     if grads is not None:
         embedding = (lambda: allreduce_shared_embedding_grads(modules)) if state.pp_size > 1 else None
         if reduce_data_parallel:

@@ -18,7 +18,7 @@ gradients out of its reach with ``hide()`` and hand them back with ``expose()``.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import GradientConfig
 from ..parallel import ParallelState
-from .clip import clip_grad_norm
+from .clip import ClipPlan, clip_grad_norm, clip_plan
 from .data_parallel import DataParallelGrads, default_bucket_size
 from .distributed_optimizer import DistributedOptimizer
 from .finalize import finalize_model_grads
@@ -50,6 +50,7 @@ class GradientState:
         self.buffers: Optional[DataParallelGrads] = None
         self.distributed_optimizer: Optional[DistributedOptimizer] = None
         self._hidden: List[Any] = []
+        self._clip_plans: Dict[Tuple[int, ...], ClipPlan] = {}   # per optimizer parameter list
         if not config.uses_buffers:
             return
         dp_cp = state.size("dp-cp")
@@ -107,11 +108,16 @@ class GradientState:
 
     def finalize(self, modules: Sequence[nn.Module]) -> None:
         """After the window's last backward: sequence-parallel, tied-embedding and data-parallel reductions."""
-        finalize_model_grads(list(modules), self.state, grads=self.buffers)
+        finalize_model_grads(list(modules), self.state, grads=self.buffers, params=self.params)
 
     def clip_by_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (the optimizer's) so the whole model's norm is at most ``max_norm``."""
-        return clip_grad_norm(params, float(max_norm), self.state, sharded=self.sharded, device=self.device)
+        key = tuple(map(id, params))
+        plan = self._clip_plans.get(key)
+        if plan is None:   # which parameters count is fixed for a parameter list: worked out once
+            plan = self._clip_plans[key] = clip_plan(params, self.state)
+        return clip_grad_norm(params, float(max_norm), self.state, sharded=self.sharded, device=self.device,
+                              plan=plan)
 
     def after_optimizer_step(self) -> None:
         """Make every rank's parameters whole again (the distributed optimizer stepped on its shards)."""
