@@ -94,6 +94,13 @@ MUTATIONS: List[Mutation] = [
     Mutation("scaler-overflow-not-agreed", "lightning_megatron/precision.py",
              "                dist.all_reduce(found, op=dist.ReduceOp.MAX)\n", "                pass\n",
              ("tests/test_precision.py::test_16_mixed_under_pipeline_parallelism_skips_the_step_on_every_stage",)),
+    # throughput: samples counted once per data-parallel replica, FLOPs once for the whole model
+    Mutation("throughput-counts-per-rank", "lightning_megatron/callbacks.py",
+             "    shared = world / _data_parallel_size(trainer, world)", "    shared = world",
+             ("tests/test_throughput.py::test_two_ranks_count_the_global_batch_and_the_model_once[dp2]",), ci=False),
+    Mutation("throughput-counts-every-rank", "lightning_megatron/callbacks.py",
+             "    shared = world / _data_parallel_size(trainer, world)", "    shared = 1",
+             ("tests/test_throughput.py::test_two_ranks_count_the_global_batch_and_the_model_once[tp2]",), ci=False),
 ]
 
 

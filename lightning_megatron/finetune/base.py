@@ -18,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..data.datasets import IGNORE_LABEL
 from ..data.sources import resolve_pretrained
+from ..flops import linear_training_flops, training_flops_per_sequence
 from .model import BertShape, build_task_model
 from .optim import adamw_with_warmup
 
@@ -57,6 +58,19 @@ class BertFinetuneModule(L.LightningModule):
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+
+    def training_flops(self, batch: Dict[str, torch.Tensor]) -> Optional[int]:
+        """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once, on the
+        padded sequences as computed), for ``lightning_megatron.callbacks.MegatronThroughputMonitor``."""
+        if self.model is None:
+            return None
+        config = self.model.bert.config
+        ids = batch["input_ids"]                      # [b, s], or [b, choices, s] (each choice one sequence)
+        seq = ids.shape[-1]
+        sequences = ids.numel() // seq
+        heads = (linear_training_flops(config.hidden_size, config.hidden_size)          # pooler on [CLS]
+                 + linear_training_flops(config.hidden_size, self.task_kwargs().get("num_labels", 1)))
+        return sequences * (training_flops_per_sequence(config, seq) + heads)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL)

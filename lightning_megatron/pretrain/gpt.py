@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ..flops import training_flops_per_sequence
 from ..models import GPTModel
 from ..moe import MoEConfig
 from ..pipeline import VirtualChunks
@@ -36,12 +37,22 @@ class GPTPretraining(L.LightningModule):
         if hasattr(self, "model"):
             return
         h = self.hparams
-        config = TransformerConfig(
+        config = self.transformer_config()
+        self.model = VirtualChunks(lambda vp_rank: GPTModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank))
+
+    def transformer_config(self) -> TransformerConfig:
+        h = self.hparams
+        return TransformerConfig(
             num_layers=h.num_layers, hidden_size=h.hidden_size, num_attention_heads=h.num_attention_heads,
             ffn_hidden_size=h.ffn_hidden_size, hidden_dropout=h.dropout, attention_dropout=h.dropout,
             activation=h.activation, normalization=h.normalization, sequence_parallel=h.sequence_parallel,
             init_seed=h.init_seed, moe=_moe_config(h.moe), moe_layer_freq=h.moe_layer_freq)
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank))
+
+    def training_flops(self, batch: dict) -> int:
+        """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once),
+        for ``lightning_megatron.callbacks.MegatronThroughputMonitor``'s TFLOP/s and MFU."""
+        b, s = batch["input_ids"].shape
+        return b * training_flops_per_sequence(self.transformer_config(), s, self.hparams.vocab_size)
 
     def forward(self, batch: dict) -> torch.Tensor:
         return self.model(batch["input_ids"], labels=batch["labels"])

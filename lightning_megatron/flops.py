@@ -1,0 +1,93 @@
+"""Model FLOPs of one training step from a ``TransformerConfig`` (for TFLOP/s and MFU in the logs).
+
+Counted the way Megatron-LM counts them (Narayanan et al. 2021, appendix "Floating-point operations"):
+only matrix multiplications, 2 FLOPs per multiply-add, and training = 3 x forward (the backward pass
+computes a data gradient and a weight gradient for every GEMM). These are *model* FLOPs: activation
+recomputation, padded vocabulary rows and the tensor/pipeline layout add work but not model FLOPs, so
+the number is the same for every parallel layout and MFU compares layouts fairly.
+
+Per token and layer, forward (``h`` hidden, ``f`` FFN hidden, ``s`` sequence length):
+
+- attention: QKV ``6h^2`` + output projection ``2h^2`` + scores ``QK^T`` and ``AV`` ``4sh``
+  (halved for causal attention: only the lower triangle is needed, as Megatron-LM counts it); with
+  ``num_query_groups`` G (grouped-query attention) K and V take ``4h·G·d`` instead of ``4h^2``, and
+  with ``kv_channels`` d the query width is heads x d instead of ``h``;
+- dense MLP: ``4hf``, or ``6hf`` for a gated MLP (SwiGLU: gate and up projections);
+- mixture of experts: router ``2hE`` + ``topk`` routed experts' MLP + the shared expert's MLP;
+- once per token: the output-layer logits ``2hV`` when ``vocab_size`` is given.
+
+Pure Python on integers: no torch.distributed, no Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .transformer import TransformerConfig
+
+__all__ = ["forward_flops_per_sequence", "linear_training_flops", "training_flops_per_sequence",
+           "training_flops_per_token"]
+
+
+def _mlp_forward_flops(hidden_size: int, ffn_hidden_size: int, activation: str) -> int:
+    """Per token: fc1 (two projections when gated) and fc2."""
+    projections_in = 2 if activation == "swiglu" else 1
+    return 2 * hidden_size * ffn_hidden_size * (projections_in + 1)
+
+
+def _num_moe_layers(config: TransformerConfig) -> int:
+    """Layers 1, 1 + k, 1 + 2k, ... (1-based) are mixture-of-experts layers (``moe_layer_freq=k``)."""
+    if config.moe is None:
+        return 0
+    return len(range(0, config.num_layers, config.moe_layer_freq))
+
+
+def forward_flops_per_sequence(config: TransformerConfig, seq_length: int, vocab_size: Optional[int] = None,
+                               *, causal: Optional[bool] = None) -> int:
+    """Matmul FLOPs of one forward pass over one sequence of ``seq_length`` tokens.
+
+    ``vocab_size``: count the logits GEMM over every position (language models; the real vocabulary,
+    not the tensor-parallel padded one); ``None`` for encoders whose small heads the caller adds.
+    ``causal``: count half the attention score matrix; default from ``config.attn_mask_type``.
+    """
+    for name, value in (("seq_length", seq_length), ("vocab_size", 1 if vocab_size is None else vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    h, s = config.hidden_size, seq_length
+    if causal is None:
+        causal = config.attn_mask_type == "causal"
+    width = config.num_attention_heads * config.head_dim                  # query heads x head size (h by default)
+    kv_width = getattr(config, "query_groups", config.num_attention_heads) * config.head_dim   # fewer under GQA
+    # per sequence: Q, K, V and output projections over s tokens, then QK^T and AV over s x s (or half of it)
+    projections = 2 * h * (2 * width + 2 * kv_width) * s
+    attention = projections + (2 if causal else 4) * width * s * s
+    moe_layers = _num_moe_layers(config)
+    dense_layers = config.num_layers - moe_layers
+    per_token = dense_layers * _mlp_forward_flops(h, config.ffn_hidden_size, config.activation)
+    if moe_layers:
+        moe = config.moe
+        routed = moe.topk * _mlp_forward_flops(h, moe.ffn_hidden_size, moe.activation)
+        shared = (_mlp_forward_flops(h, moe.shared_expert_ffn_hidden_size, moe.activation)
+                  if moe.shared_expert_ffn_hidden_size else 0)
+        per_token += moe_layers * (2 * h * moe.num_experts + routed + shared)
+    if vocab_size is not None:
+        per_token += 2 * h * vocab_size
+    return config.num_layers * attention + s * per_token
+
+
+def training_flops_per_sequence(config: TransformerConfig, seq_length: int, vocab_size: Optional[int] = None,
+                                *, causal: Optional[bool] = None) -> int:
+    """Forward + backward matmul FLOPs for one sequence: 3 x :func:`forward_flops_per_sequence`."""
+    return 3 * forward_flops_per_sequence(config, seq_length, vocab_size, causal=causal)
+
+
+def training_flops_per_token(config: TransformerConfig, seq_length: int, vocab_size: Optional[int] = None,
+                             *, causal: Optional[bool] = None) -> float:
+    """:func:`training_flops_per_sequence` / ``seq_length`` (the attention term grows with the length)."""
+    return training_flops_per_sequence(config, seq_length, vocab_size, causal=causal) / seq_length
+
+
+def linear_training_flops(in_features: int, out_features: int, rows: int = 1) -> int:
+    """Forward + backward FLOPs of a ``Linear(in_features, out_features)`` applied to ``rows`` vectors
+    (task heads: a pooler, a classifier)."""
+    return 3 * 2 * in_features * out_features * rows
