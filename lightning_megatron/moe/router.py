@@ -178,8 +178,7 @@ def update_expert_biases(module: Union[nn.Module, Iterable[TopKRouter]],
     counts = torch.stack([r.local_tokens_per_expert for r in routers])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
-    offset = counts.mean(dim=1, keepdim=True) - counts
-    for router, step in zip(routers, torch.sign(offset) * torch.tensor(
-            [r.expert_bias_update_rate for r in routers], device=counts.device).unsqueeze(1)):
-        router.expert_bias += step
+    direction = torch.sign(counts.mean(dim=1, keepdim=True) - counts)
+    for router, step in zip(routers, direction):   # the rate as a kernel argument: no host-to-device copy
+        router.expert_bias.add_(step, alpha=router.expert_bias_update_rate)
         router.local_tokens_per_expert.zero_()
