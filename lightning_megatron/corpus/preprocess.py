@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from .token_file import TokenFile, token_dtype, write_token_file
 
