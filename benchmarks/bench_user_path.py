@@ -32,17 +32,33 @@ import torch
 from bench_gpt import NOMINAL_PEAK, measured_peak   # the same peak measurement as the model benchmark
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, batch=4, vocab=50304)
 BERT = dict(layers=12, hidden=768, heads=12, seq=128, batch=4, vocab=30522, labels=3)
-CONFIGS = ["gpt/plain", "gpt/auto", "gpt/ours-eager",
+# Llama-3.2-1B's shape (tied embeddings, 8 kv heads) at sequence 4096
+LLAMA = dict(layers=16, hidden=2048, heads=32, kv=8, ffn=8192, seq=4096, batch=1, vocab=128256, rope_base=500000.0)
+CONFIGS = ["gpt/plain", "gpt/auto", "gpt/ours-eager", "llama/plain", "llama/plain-hf", "llama/ours-eager",
            "bert/plain-hf", "bert/plain-hf-graph", "bert/plain", "bert/auto", "bert/ours-eager",
            "bert/ours-partial", "bert/ours-full"]
-WARMUP = {"gpt": (5, 20), "bert": (20, 100)}   # (warm-up steps, timed steps)
+SPECS = {"gpt": GPT, "bert": BERT, "llama": LLAMA}
+WARMUP = {"gpt": (5, 20), "bert": (20, 100), "llama": (3, 12)}   # (warm-up steps, timed steps)
 
 
 # -- models and data -------------------------------------------------------------------------------------------
 
+def llama_config():
+    from lightning_megatron.models.llama import llama_config as make
+
+    g = LLAMA
+    return make(g["layers"], g["hidden"], g["heads"], num_query_groups=g["kv"], ffn_hidden_size=g["ffn"],
+                rotary_base=g["rope_base"])
+
+
 def build_model(workload: str):
     from lightning_megatron.models import BertForSequenceClassification, GPTModel
     from lightning_megatron.transformer import TransformerConfig
+
+    if workload == "llama":
+        from lightning_megatron.models.llama import LlamaModel
+
+        return LlamaModel(llama_config(), LLAMA["vocab"], LLAMA["seq"], tie_word_embeddings=True)
 
     if workload == "gpt":
         g = GPT
@@ -59,17 +75,17 @@ def build_model(workload: str):
 def loss_of(workload: str, model, batch):
     import torch.nn.functional as F
 
-    if workload == "gpt":
+    if workload in ("gpt", "llama"):
         return model(batch["input_ids"], labels=batch["labels"]).mean()
     return F.cross_entropy(model(batch["input_ids"]).float(), batch["labels"])
 
 
 class Batches(torch.utils.data.Dataset):
     def __init__(self, workload: str, n: int) -> None:
-        spec = GPT if workload == "gpt" else BERT
+        spec = SPECS[workload]
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(5, spec["vocab"], (n, spec["seq"]), generator=gen)
-        self.labels = (torch.randint(0, spec["vocab"], (n, spec["seq"]), generator=gen) if workload == "gpt"
+        self.labels = (torch.randint(0, spec["vocab"], (n, spec["seq"]), generator=gen) if workload != "bert"
                        else torch.randint(0, BERT["labels"], (n,), generator=gen))
 
     def __len__(self) -> int:
@@ -80,7 +96,7 @@ class Batches(torch.utils.data.Dataset):
 
 
 def loader(workload: str, steps: int):
-    spec = GPT if workload == "gpt" else BERT
+    spec = SPECS[workload]
     return torch.utils.data.DataLoader(Batches(workload, spec["batch"] * steps), batch_size=spec["batch"],
                                        drop_last=True)
 
@@ -102,7 +118,19 @@ def world_of_one() -> None:
 def run_plain(workload: str, hf: bool = False, graph: bool = False, profile: bool = False) -> dict:
     warmup, steps = WARMUP[workload]
     torch.manual_seed(0)
-    if hf:
+    if hf and workload == "llama":   # the same Llama in Hugging Face transformers, SDPA attention
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        g = LLAMA
+        hf_model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["ffn"], num_hidden_layers=g["layers"],
+            num_attention_heads=g["heads"], num_key_value_heads=g["kv"], max_position_embeddings=g["seq"],
+            rope_theta=g["rope_base"], tie_word_embeddings=True, attn_implementation="sdpa")).cuda().to(torch.bfloat16)
+        model = hf_model
+
+        def step_loss(batch):
+            return hf_model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    elif hf:
         from transformers import BertConfig, BertForSequenceClassification as HFBert
 
         config = BertConfig(num_labels=BERT["labels"], attn_implementation="sdpa")
@@ -270,7 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", help="one configuration (e.g. gpt/ours-eager), run in this process")
     parser.add_argument("--profile", action="store_true", help="count host syncs and kernel launches per step")
-    parser.add_argument("--workloads", default="gpt,bert")
+    parser.add_argument("--workloads", default="gpt,bert,llama")
     parser.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
     args = parser.parse_args()
     if args.only:
@@ -294,6 +322,9 @@ def main() -> None:
     g = GPT
     n_params = 12 * g["layers"] * g["hidden"] ** 2 + g["vocab"] * g["hidden"]
     gpt_flops = (6 * n_params + 12 * g["layers"] * g["seq"] * g["hidden"]) * g["batch"] * g["seq"]
+    from lightning_megatron.flops import training_flops_per_sequence   # causal attention counted half
+
+    llama_flops = training_flops_per_sequence(llama_config(), LLAMA["seq"], LLAMA["vocab"]) * LLAMA["batch"]
     print("\n| configuration | step ms | vs plain loop (same model) | vs plain whole-step graph | MFU (measured peak) "
           "| MFU (790) | peak GiB | final loss |")
     print("|---|---|---|---|---|---|---|---|")
@@ -303,8 +334,9 @@ def main() -> None:
         vs_plain = f"{r['step_s'] / plain['step_s']:.3f}x" if plain else "-"
         vs_graph = f"{r['step_s'] / graph['step_s']:.3f}x" if graph and workload == "bert" else "-"
         mfu = mfu790 = "-"
-        if workload == "gpt":
-            mfu, mfu790 = f"{gpt_flops / r['step_s'] / peak:.1%}", f"{gpt_flops / r['step_s'] / NOMINAL_PEAK:.1%}"
+        flops = {"gpt": gpt_flops, "llama": llama_flops}.get(workload)
+        if flops:
+            mfu, mfu790 = f"{flops / r['step_s'] / peak:.1%}", f"{flops / r['step_s'] / NOMINAL_PEAK:.1%}"
         print(f"| {name} | {r['step_s'] * 1e3:.2f} | {vs_plain} | {vs_graph} | {mfu} | {mfu790} | "
               f"{r['peak_gib']:.1f} | {r['final_loss']:.4f} |")
     for name, r in results.items():

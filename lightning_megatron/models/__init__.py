@@ -5,6 +5,8 @@ from .bert import (
 )
 from .embedding import LanguageModelEmbedding, parallel_logits
 from .gpt import GPTModel
+from .llama import LlamaModel, llama_config, mixtral_config
 
 __all__ = ["BertForMaskedLM", "BertForMultipleChoice", "BertForSequenceClassification", "BertLMHead",
-           "BertModel", "BertOutput", "GPTModel", "LanguageModelEmbedding", "parallel_logits"]
+           "BertModel", "BertOutput", "GPTModel", "LanguageModelEmbedding", "LlamaModel", "llama_config",
+           "mixtral_config", "parallel_logits"]

@@ -28,6 +28,7 @@ def _replicated_embedding(config: TransformerConfig, rows: int, name: str) -> nn
 
 class LanguageModelEmbedding(nn.Module):
     """word (vocab-parallel) + learned position (+ token type) embeddings, returned ``[s, b, h]``.
+    With ``position_embedding_type`` "rope" or "none" there is no position table.
 
     With sequence parallelism the word lookup is reduce-scattered along the sequence and each
     rank adds only its positions, so no rank ever holds the full ``[s, b, h]`` embedding. Under
@@ -45,7 +46,9 @@ class LanguageModelEmbedding(nn.Module):
                 padded_vocab_size, config.hidden_size, init_method=init_method_normal(config.init_method_std),
                 sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 vocab_size=vocab_size)
-        self.position_embeddings = _replicated_embedding(config, max_sequence_length, "position_embeddings")
+        # rotary (or no) position embeddings: positions enter in attention, no table here
+        self.position_embeddings = (_replicated_embedding(config, max_sequence_length, "position_embeddings")
+                                    if config.position_embedding_type == "learned" else None)
         self.tokentype_embeddings = (_replicated_embedding(config, num_tokentypes, "tokentype_embeddings")
                                      if num_tokentypes else None)
         self.norm = build_norm(config) if layernorm else None
@@ -63,15 +66,16 @@ class LanguageModelEmbedding(nn.Module):
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s = input_ids.shape
         state = get_parallel_state()
-        if s * state.cp_size > self.max_sequence_length:
+        if self.position_embeddings is not None and s * state.cp_size > self.max_sequence_length:
             share = f" ({s} on each of {state.cp_size} context-parallel ranks)" if state.cp_size > 1 else ""
             raise ValueError(f"sequence length {s * state.cp_size}{share} exceeds max_sequence_length="
                              f"{self.max_sequence_length}; raise it when building the model or truncate the inputs.")
-        if position_ids is None:   # under context parallelism: the global positions of this rank's tokens
-            position_ids = context_parallel_position_ids(s, state.cp_size, state.cp_rank, input_ids.device)
-            position_ids = position_ids.expand(b, s)
         hidden = self.word_embeddings(input_ids.t())                       # [s(/tp), b, h]
-        hidden = hidden + self.position_embeddings(self._local_slice(position_ids))
+        if self.position_embeddings is not None:
+            if position_ids is None:   # under context parallelism: the global positions of this rank's tokens
+                position_ids = context_parallel_position_ids(s, state.cp_size, state.cp_rank, input_ids.device)
+                position_ids = position_ids.expand(b, s)
+            hidden = hidden + self.position_embeddings(self._local_slice(position_ids))
         if self.tokentype_embeddings is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)

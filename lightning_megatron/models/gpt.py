@@ -1,4 +1,7 @@
-"""GPT: vocab-parallel embedding + learned positions, causal transformer, tied output layer."""
+"""GPT: vocab-parallel embedding + learned positions, causal transformer, tied output layer.
+
+With ``TransformerConfig(position_embedding_type="rope")`` and ``tie_word_embeddings=False`` the same
+class is a Llama (see ``models.llama``)."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class GPTModel(nn.Module):
         config = with_strategy_defaults(config)
         self.config = config
         self.vocab_size = vocab_size
+        self.max_sequence_length, self.tie_word_embeddings = max_sequence_length, tie_word_embeddings
         self.padded_vocab_size = pad_vocab_size(vocab_size, get_parallel_state().tp_size)
         self.label_smoothing = label_smoothing
         self.pre_process, self.post_process = chunk_position(vp_rank)
@@ -65,7 +69,10 @@ class GPTModel(nn.Module):
             hidden = self.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        hidden = self.decoder(hidden, attention_mask)
+        if position_ids is not None and self.config.position_embedding_type == "rope":
+            hidden = self.decoder(hidden, attention_mask, position_ids)   # rotary angles in every layer
+        else:
+            hidden = self.decoder(hidden, attention_mask)
         if not self.post_process:
             return hidden
         weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight

@@ -7,6 +7,7 @@ from .init import seeded
 from .layer import TransformerLayer
 from .mlp import MLP
 from .norm import build_norm
+from .rotary import RotaryEmbedding, apply_rotary, rope_inverse_frequencies
 
-__all__ = ["MLP", "SelfAttention", "TransformerBlock", "TransformerConfig", "TransformerLayer",
-           "attention_bias", "build_norm", "model_defaults", "seeded"]
+__all__ = ["MLP", "RotaryEmbedding", "SelfAttention", "TransformerBlock", "TransformerConfig", "TransformerLayer",
+           "apply_rotary", "attention_bias", "build_norm", "model_defaults", "rope_inverse_frequencies", "seeded"]

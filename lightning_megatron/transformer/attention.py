@@ -5,6 +5,19 @@ Q/K/V come from one column-parallel GEMM whose output rows are laid out head by 
 projection is row-parallel, so one all-reduce (or reduce-scatter under sequence parallelism)
 per attention block. Activations are sequence-first, ``[s, b, h]``. Under context parallelism
 ``s`` is this rank's share of the sequence and ``context_parallel.py`` supplies the other keys.
+
+Grouped-query attention (``num_query_groups`` G < heads H) has two column-parallel weights: ``q``
+(``[H·d, h]``, whole query heads per rank) and ``kv`` (``[2·G·d, h]``, rows ``[k_0 v_0 k_1 v_1 ...]``,
+d rows each). When G divides by tp, a contiguous shard of ``kv`` is exactly the key/value heads of
+this rank's query heads. When tp > G (tp a multiple of G), ``tp/G`` ranks share each key/value head
+(Megatron replicates them): every rank still stores an equal 1/tp slice of ``kv`` (so the weight,
+its optimizer state and checkpoints are laid out as in any tp), and the forward all-gathers the
+``2·G·d·h`` weight over tp and uses its group's rows. The gather's backward is a reduce-scatter, so
+the gradient of a shared head is the sum over the ranks using it: exact, with no extra reduction
+step. Both projections read one copy of the input (one sequence-parallel all-gather).
+
+Rotary embeddings (``position_embedding_type="rope"``) rotate queries and keys here, on the whole
+(context-parallel local) sequence, at the tokens' global positions; see ``rotary.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +31,10 @@ from torch import nn
 
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
-from .config import HEADS_SPLIT, TransformerConfig, check_splits_over_tensor_parallel
+from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
+from .rotary import RotaryEmbedding, apply_rotary
 
 
 def attention_bias(attention_mask: Optional[torch.Tensor], causal: bool, seq_len: int,
@@ -37,31 +52,84 @@ def attention_bias(attention_mask: Optional[torch.Tensor], causal: bool, seq_len
     return keep
 
 
+def _local_linear(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    local = getattr(layer, "local_linear", None)
+    return local(x, weight, bias) if local is not None else F.linear(x, weight, bias)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: TransformerConfig, layer_number: int) -> None:
         super().__init__()
-        tp = get_parallel_state().tp_size
+        state = get_parallel_state()
+        tp = state.tp_size
         self.config = config
         check_splits_over_tensor_parallel("num_attention_heads", config.num_attention_heads, tp, HEADS_SPLIT)
+        check_query_groups(config, tp)
         self.heads_per_rank = config.num_attention_heads // tp
         self.head_dim = config.head_dim
         self.layer_number = layer_number
-        self.qkv = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, bias=config.add_bias_linear,
-            init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype)
+        width = config.num_attention_heads * config.head_dim
+        column = dict(bias=config.add_bias_linear, init_method=init_method_normal(config.init_method_std),
+                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        groups = config.query_groups
+        if config.grouped_query_attention:
+            self.q = ColumnParallelLinear(config.hidden_size, width, **column)
+            self.kv = ColumnParallelLinear(config.hidden_size, 2 * groups * config.head_dim, **column)
+            self.kv_heads_per_rank = max(groups // tp, 1)
+            self.kv_sharing_ranks = tp // groups if tp > groups else 1   # ranks that use one key/value head
+        else:
+            self.qkv = ColumnParallelLinear(config.hidden_size, 3 * width, **column)
+            self.kv_heads_per_rank, self.kv_sharing_ranks = self.heads_per_rank, 1
         self.proj = RowParallelLinear(
-            config.hidden_size, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
+            width, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=init_method_normal(config.output_layer_init_std),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling)
+                       if config.position_embedding_type == "rope" else None)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        mixed = self.qkv(hidden)                                            # [s, b, 3·h/tp]
-        s, b = mixed.shape[0], mixed.shape[1]
-        q, k, v = mixed.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+    def _project(self, hidden: torch.Tensor):
+        """``q [b, heads/tp, s, d]``, ``k``/``v`` ``[b, kv heads of this rank, s, d]``."""
+        if not self.config.grouped_query_attention:
+            mixed = self.qkv(hidden)                                            # [s, b, 3·h/tp]
+            s, b = mixed.shape[0], mixed.shape[1]
+            return mixed.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        group = self.q.group
+        if self.q.sequence_parallel:
+            x = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_parallel_region(hidden, group)
+        # the layers' own matmul (F.linear, or float8 where enabled) on the shared input copy
+        q = _local_linear(self.q, x, self.q.weight, self.q.bias)
+        weight, bias = self.kv.weight, self.kv.bias
+        if self.kv_sharing_ranks > 1:   # all-gather the small kv weight, keep this rank's group (see the docstring)
+            rows = 2 * self.head_dim
+            first = self.q.tp_rank // self.kv_sharing_ranks * rows
+            weight = gather_from_sequence_parallel_region(weight, group)[first:first + rows]
+            if bias is not None:
+                bias = gather_from_sequence_parallel_region(bias, group)[first:first + rows]
+        kv = _local_linear(self.kv, x, weight, bias)
+        s, b = q.shape[0], q.shape[1]
+        q = q.view(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
+        k, v = kv.view(s, b, self.kv_heads_per_rank, 2, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        return q, k, v
+
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids [b, s]``: the tokens' positions for rotary embeddings (this cp rank's slice);
+        default: their global positions."""
+        q, k, v = self._project(hidden)
+        b, s = q.shape[0], q.shape[2]
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, q.device, q.dtype, position_ids)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         causal = self.config.attn_mask_type == "causal"
         dropout = self.config.attention_dropout if self.training else 0.0
         state = get_parallel_state()
+        window = self.config.sliding_window
+        if causal and window is not None and s * state.cp_size > window:
+            raise ValueError(f"sequence length {s * state.cp_size} exceeds TransformerConfig.sliding_window={window}: "
+                             "sliding-window attention is not implemented; use sequences of at most that length.")
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
             rng = context_parallel_rng_fork(state.rng_tracker, state.cp_rank) if dropout > 0 else None
             context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng)
@@ -72,6 +140,7 @@ class SelfAttention(nn.Module):
             forked = dropout > 0 and not self.config.sequence_parallel
             with state.rng_tracker.fork() if forked else contextlib.nullcontext():
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                         is_causal=causal and mask is None)
+                                                         is_causal=causal and mask is None,
+                                                         enable_gqa=k.shape[1] != q.shape[1])
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(context)

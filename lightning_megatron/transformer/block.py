@@ -36,15 +36,19 @@ class TransformerBlock(nn.Module):
         _, is_last = chunk_position(vp_rank)
         self.final_norm = build_norm(config) if config.layernorm_order == "pre" and is_last else None
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids [b, s]`` (rotary embeddings only): positions other than the tokens' global ones."""
         rng = (get_parallel_state().rng_tracker.fork() if self.config.sequence_parallel and self.training
                else contextlib.nullcontext())
+        # layers are called as (hidden, mask) unless positions are given: per-layer CUDA graphs wrap that call
+        args = (attention_mask,) if position_ids is None else (attention_mask, position_ids)
         with rng:
             for layer in self.layers:
                 if self.config.recompute_layers and self.training:
-                    hidden = checkpoint(layer, hidden, attention_mask)
+                    hidden = checkpoint(layer, hidden, *args)
                 else:
-                    hidden = layer(hidden, attention_mask)
+                    hidden = layer(hidden, *args)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden

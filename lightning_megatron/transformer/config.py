@@ -14,6 +14,12 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LAYERNORM_ORDERS = ("pre", "post")
 MASK_TYPES = ("causal", "padding")
+POSITION_EMBEDDINGS = ("learned", "rope", "none")
+# rope_scaling types and the keys each one needs (Hugging Face's ``rope_parameters`` names)
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 # why each size must divide by the tensor-parallel size (said in the error)
 HEADS_SPLIT = "each tensor-parallel rank holds whole heads"
 FFN_SPLIT = "each tensor-parallel rank holds an equal slice of the MLP's hidden units"
@@ -27,6 +33,13 @@ class TransformerConfig:
     attention/MLP, residual around, a final norm) which trains stably at scale; ``"post"`` is the
     original BERT layer (residual, then norm). ``init_seed`` makes initialisation a function of
     the global layer index, so every parallel layout builds the same model.
+
+    Llama-family options: ``num_query_groups`` key/value heads (grouped-query attention; None: one
+    per query head), ``kv_channels`` the head size when it is not ``hidden_size / heads``,
+    ``position_embedding_type="rope"`` rotary embeddings (``rotary_base``, ``rotary_percent`` of
+    each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3", ...}`` with Hugging
+    Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: sequences
+    longer than it are refused, shorter ones need no window).
     """
 
     num_layers: int
@@ -49,6 +62,13 @@ class TransformerConfig:
     recompute_layers: bool = False                 # activation checkpointing per layer
     moe: Optional[Any] = None                      # a moe.MoEConfig: MLPs become mixture-of-experts layers
     moe_layer_freq: int = 1                        # every k-th layer (1-based: layers 1, 1+k, ...) is MoE
+    num_query_groups: Optional[int] = None         # key/value heads (GQA); None: as many as attention heads
+    kv_channels: Optional[int] = None              # head size; None: hidden_size // num_attention_heads
+    position_embedding_type: str = "learned"       # learned | rope | none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0                    # share of each head's channels that rotate
+    rope_scaling: Optional[Dict[str, Any]] = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    sliding_window: Optional[int] = None           # longest attention span (Mistral); longer sequences refused
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -59,11 +79,13 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.ffn_hidden_size < 1:
             raise ValueError(f"TransformerConfig.ffn_hidden_size must be positive, got {self.ffn_hidden_size}.")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"TransformerConfig.hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}; each head needs an equal share."
+                f"num_attention_heads={self.num_attention_heads}; each head needs an equal share "
+                f"(or set kv_channels, the head size)."
             )
+        self._check_attention_shape()
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -82,6 +104,42 @@ class TransformerConfig:
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
 
+    def _check_attention_shape(self) -> None:
+        for name in ("num_query_groups", "kv_channels", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TransformerConfig.{name} must be a positive integer or None, got {value!r}.")
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"TransformerConfig.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}: each key/value head serves an equal group of query heads.")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(f"TransformerConfig.position_embedding_type={self.position_embedding_type!r} is not one "
+                             f"of {list(POSITION_EMBEDDINGS)}.")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"TransformerConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}.")
+        if self.rotary_base <= 0:
+            raise ValueError(f"TransformerConfig.rotary_base must be positive, got {self.rotary_base}.")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"TransformerConfig.rotary_percent={self.rotary_percent} of head size {self.head_dim} "
+                             f"rotates {self.rotary_dim} channels; rotary embeddings need an even number >= 2.")
+        if self.rope_scaling is not None:
+            self.rope_scaling = check_rope_scaling(self.rope_scaling)
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, or one per attention head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def grouped_query_attention(self) -> bool:
+        return self.query_groups < self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rotate (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.rotary_percent)
+
     @property
     def has_dense_mlp(self) -> bool:
         """Whether some layer has the dense MLP (not all of them are mixture-of-experts layers)."""
@@ -97,12 +155,13 @@ class TransformerConfig:
         The MoE experts' sizes are checked by the MoE layer (against the expert tp size).
         """
         check_splits_over_tensor_parallel("num_attention_heads", self.num_attention_heads, tp_size, HEADS_SPLIT)
+        check_query_groups(self, tp_size)
         if self.has_dense_mlp:
             check_splits_over_tensor_parallel("ffn_hidden_size", self.ffn_hidden_size, tp_size, FFN_SPLIT)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def output_layer_init_std(self) -> float:
@@ -124,6 +183,49 @@ def check_splits_over_tensor_parallel(name: str, value: int, tp_size: int, why: 
         f"TransformerConfig.{name}={value} is not divisible by tensor_model_parallel_size={tp_size}: {why}. "
         f"Use a {name} that is a multiple of {tp_size} (e.g. {' or '.join(map(str, multiples))}), or a "
         f"tensor_model_parallel_size that divides {value} (e.g. {' or '.join(map(str, divisors))}).")
+
+
+def check_query_groups(config: TransformerConfig, tp_size: int) -> None:
+    """Grouped-query attention under tensor parallelism: the key/value heads are split over the tp ranks
+    when ``num_query_groups`` divides by ``tp_size``, each held by ``tp_size / num_query_groups`` ranks
+    when it divides ``tp_size``; any other pair raises an error naming both."""
+    groups = config.num_query_groups
+    if groups is None or groups % tp_size == 0:
+        return
+    if tp_size % groups:
+        raise ValueError(
+            f"TransformerConfig.num_query_groups={groups} and tensor_model_parallel_size={tp_size}: one must divide "
+            f"the other (key/value heads are split over the tensor-parallel ranks, or each shared by "
+            f"tensor_model_parallel_size / num_query_groups ranks). Use a tensor_model_parallel_size that divides "
+            f"{groups} or is a multiple of it.")
+    rows = 2 * groups * config.head_dim
+    if rows % tp_size:
+        raise ValueError(
+            f"TransformerConfig.num_query_groups={groups} with head size {config.head_dim} gives {rows} key/value "
+            f"rows, not divisible by tensor_model_parallel_size={tp_size} (each rank stores an equal slice of them).")
+
+
+def check_rope_scaling(scaling: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``rope_scaling`` with its type under ``"rope_type"`` (Hugging Face's older ``"type"`` accepted),
+    None for ``"default"``; a ``ValueError`` naming the field for an unknown type or a missing key."""
+    if not isinstance(scaling, dict):
+        raise ValueError(f"TransformerConfig.rope_scaling must be a dict such as {{'rope_type': 'linear', "
+                         f"'factor': 2.0}} or None, got {scaling!r}.")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"TransformerConfig.rope_scaling['rope_type']={kind!r} is not supported; use one of "
+                         f"{sorted(ROPE_SCALINGS)} (or rope_scaling=None).")
+    missing = [key for key in ROPE_SCALINGS[kind] if key not in scaling]
+    if missing:
+        raise ValueError(f"TransformerConfig.rope_scaling of rope_type {kind!r} needs {list(ROPE_SCALINGS[kind])}; "
+                         f"missing {missing}.")
+    if scaling["factor"] <= 0:
+        raise ValueError(f"TransformerConfig.rope_scaling['factor'] must be positive, got {scaling['factor']}.")
+    out = {key: scaling[key] for key in ROPE_SCALINGS[kind]}
+    out["rope_type"] = kind
+    return out
 
 
 _MODEL_DEFAULTS: ContextVar[Dict[str, Any]] = ContextVar("lightning_megatron_model_defaults", default={})

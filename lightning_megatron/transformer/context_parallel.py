@@ -93,11 +93,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keep: Optional[torch.Tensor],
                           causal: bool, dropout_p: float, cp_size: int, cp_rank: int) -> torch.Tensor:
     """The local part, a pure function: cp rank ``cp_rank``'s queries ``[b, heads, s/cp, d]`` against the
-    whole sequence's keys/values ``[b, heads, s, d]`` in sequence order; ``keep``: ``[b, s]`` bool or None."""
+    whole sequence's keys/values ``[b, heads, s, d]`` in sequence order (fewer key/value heads than query
+    heads: grouped-query attention); ``keep``: ``[b, s]`` bool or None."""
     chunk = q.shape[-2] // 2
+    gqa = k_all.shape[-3] != q.shape[-3]
     if not causal:
         mask = None if keep is None else keep[:, None, None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
     outputs = []
     for slot, c in enumerate(local_chunks(cp_size, cp_rank)):
         end = (c + 1) * chunk                  # queries of chunk c see keys [0, end), lower-right causal
@@ -108,5 +110,5 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
             mask = keep[:, None, None, :end] & causal_mask
         outputs.append(F.scaled_dot_product_attention(
             q[..., slot * chunk:(slot + 1) * chunk, :], k_all[..., :end, :], v_all[..., :end, :],
-            attn_mask=mask, dropout_p=dropout_p))
+            attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa))
     return torch.cat(outputs, dim=-2)

@@ -48,15 +48,21 @@ class TransformerLayer(nn.Module):
         out = self.mlp(x)
         return out[0] if isinstance(out, tuple) else out
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.mlp_block(self.attention_block(hidden, attention_mask))
+    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # (hidden, mask) unless positions are given: a per-layer CUDA graph replaces attention_block with that call
+        extra = () if position_ids is None else (position_ids,)
+        return self.mlp_block(self.attention_block(hidden, attention_mask, *extra))
 
     # The two sub-blocks are methods of their own so a per-layer CUDA graph can hold either one
     # (``cuda_graph_scope`` "attn" / "mlp", see ``lightning_megatron.cuda_graphs``).
-    def attention_block(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attention_block(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                        position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids``: only for rotary embeddings, when not the tokens' global positions."""
+        extra = () if position_ids is None else (position_ids,)
         if self.pre_norm:
-            return hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
-        return self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
+            return hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask, *extra))
+        return self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask, *extra)))
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.pre_norm:

@@ -1,0 +1,546 @@
+"""Hugging Face Llama / Mistral / Mixtral checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
+
+Import (``load_hf_llama``, ``llama_from_hf``): every rank opens the safetensors files (one
+``model.safetensors`` or the shards of ``model.safetensors.index.json``) and reads, with
+``safe_open(...).get_slice``, only the rows (or columns) of the tensors its own parameters hold:
+its stage's layers, its tp slice of every head / MLP unit / vocabulary row, its ep share of the
+experts. Our full (TP=1) tensors are described as row-wise concatenations of Hugging Face
+tensors (the fused Q/K/V head by head, the GQA key/value weight group by group, SwiGLU's gate
+then up, the vocabulary padded with zero rows), so a rank's slice of a full tensor is a few
+contiguous reads.
+
+Export (``save_hf_llama``, collective): the pipeline stages take turns; within a stage every
+parameter is gathered to its full tensor (over tp, and over etp and ep for experts), converted to
+Hugging Face tensors, and one writer rank per stage streams them to global rank 0, which writes
+safetensors files of at most ``max_shard_size`` (plus ``model.safetensors.index.json`` when there
+is more than one) and ``config.json``. Rank 0 holds at most one file's tensors at a time; the
+other ranks one parameter's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import get_parallel_state
+from ..tensor_parallel.mappings import gather_along_dim
+from ..transformer import TransformerConfig
+from .gpt import GPTModel
+from .llama import LLAMA_DEFAULTS, LlamaModel
+from .sharding import full_of, global_names
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+Segments = List[Tuple[Optional[str], int, int]]   # (HF name or None for zeros, first row, end row)
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+
+def read_hf_config(source: Union[str, os.PathLike, dict, Any]) -> dict:
+    """``config.json`` of a directory, a dict, or a ``transformers`` config object, as a dict."""
+    if isinstance(source, dict):
+        return dict(source)
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    file = os.path.join(os.fspath(source), "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: pass a Hugging Face Llama/Mistral/Mixtral directory "
+                                f"(config.json + safetensors).")
+    with open(file) as f:
+        return json.load(f)
+
+
+def _rope(hf: dict) -> Tuple[float, Optional[dict]]:
+    """(rope base, rope_scaling or None) from ``rope_parameters`` (transformers 5) or the older
+    ``rope_theta`` / ``rope_scaling`` keys."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    base = params.get("rope_theta", hf.get("rope_theta")) or 10000.0
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(base), None
+    params["rope_type"] = kind
+    if kind == "llama3":
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return float(base), params
+
+
+def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any) -> TransformerConfig:
+    """The ``TransformerConfig`` of a Hugging Face Llama, Mistral or Mixtral config (directory, dict or
+    ``transformers`` config); ``overrides`` replace any field (e.g. ``params_dtype``, ``recompute_layers``)."""
+    hf = read_hf_config(source)
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type={model_type!r} in config.json is not supported; known: {sorted(ARCHITECTURES)}.")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} in config.json is not supported: Llama-family MLPs are SwiGLU (silu).")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{key}=true in config.json is not supported (Llama-family layers have no biases).")
+    rope_params = hf.get("rope_parameters") or {}
+    if (rope_params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 in config.json is not supported for Llama-family models.")
+    base, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    kv_heads = hf.get("num_key_value_heads") or heads
+    fields = dict(
+        LLAMA_DEFAULTS, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=heads, num_query_groups=kv_heads if kv_heads != heads else None,
+        kv_channels=head_dim if head_dim * heads != hf["hidden_size"] else None,
+        ffn_hidden_size=hf["intermediate_size"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        attention_dropout=hf.get("attention_dropout", 0.0) or 0.0, init_method_std=hf.get("initializer_range", 0.02),
+        rotary_base=base, rope_scaling=scaling,
+        sliding_window=hf.get("sliding_window") if model_type != "llama" else None,
+    )
+    if model_type == "mixtral":
+        from ..moe import MoEConfig
+
+        fields["moe"] = MoEConfig(
+            hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
+            num_experts=hf["num_local_experts"], topk=hf["num_experts_per_tok"], activation="swiglu",
+            score_function="softmax", pre_softmax=False, capacity_factor=None,
+            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0)
+        fields["moe_layer_freq"] = 1
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def model_kwargs_from_hf(source: Union[str, os.PathLike, dict, Any]) -> Dict[str, Any]:
+    """``LlamaModel`` arguments besides the config: vocabulary, maximum length, tied embeddings."""
+    hf = read_hf_config(source)
+    return dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                 base: Optional[dict] = None) -> dict:
+    """A Hugging Face ``config.json`` dict describing ``model`` (any chunk of it): ``base`` (the imported
+    config, if any) with every structural key replaced by the model's own."""
+    c = model.config
+    if model_type is None:
+        model_type = "mixtral" if c.moe is not None else (base or {}).get("model_type") or (
+            "mistral" if c.sliding_window else "llama")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}.")
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if c.rope_scaling is not None:
+        rope.update(c.rope_scaling)
+    out = dict(base or {})
+    for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"):
+        out.pop(stale, None)
+    out.update({
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": model.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.query_groups,
+        "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.layernorm_epsilon,
+        "max_position_embeddings": model.max_sequence_length,
+        "rope_parameters": rope, "rope_theta": c.rotary_base, "initializer_range": c.init_method_std,
+        "attention_dropout": c.attention_dropout,
+        "tie_word_embeddings": bool(model.tie_word_embeddings),
+        "dtype": str(dtype or c.params_dtype).replace("torch.", ""),
+    })
+    if c.rope_scaling is not None:   # transformers 4.x reads this key (5.x reads either; they agree)
+        out["rope_scaling"] = dict(c.rope_scaling)
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out["sliding_window"] = c.sliding_window
+    if model_type == "mixtral":
+        out.update(num_local_experts=c.moe.num_experts, num_experts_per_tok=c.moe.topk,
+                   intermediate_size=c.moe.ffn_hidden_size)
+    return out
+
+
+# -- reading slices ----------------------------------------------------------------------------------
+
+
+class SafetensorsSlices:
+    """Lazy, slice-wise access to a directory's safetensors (single file or sharded with an index)."""
+
+    def __init__(self, path: Union[str, os.PathLike]) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        path = os.fspath(path)
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.files = {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}.")
+        self._handles: Dict[str, Any] = {}
+        self.elements_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _slice(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(file, framework="pt")
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, *index: slice) -> torch.Tensor:
+        part = self._slice(name)
+        tensor = part[index] if index else part[:]
+        self.elements_read += tensor.numel()
+        return tensor
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _hf_layer(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = None) -> Dict[str, Tuple[int, ...]]:
+    """Hugging Face tensor name → shape for ``model``'s configuration (every layer, every expert)."""
+    c = model.config
+    h, d, heads, groups, ffn = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_hidden_size
+    shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
+    if not model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (model.vocab_size, h)
+    for i in range(c.num_layers):
+        p = _hf_layer(i)
+        shapes.update({p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (groups * d, h),
+                       p + "self_attn.v_proj.weight": (groups * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if c.moe is not None and i % c.moe_layer_freq == 0:
+            m, f = c.moe, c.moe.ffn_hidden_size
+            shapes[p + "block_sparse_moe.gate.weight"] = (m.num_experts, h)
+            for e in range(m.num_experts):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                shapes.update({q + "w1.weight": (f, h), q + "w3.weight": (f, h), q + "w2.weight": (h, f)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                           p + "mlp.down_proj.weight": (h, ffn)})
+    return shapes
+
+
+def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
+    """Our full tensor ``name`` as row segments of HF tensors, and the dim those rows run along
+    (0, or 1 for the row-parallel weights, whose columns are split)."""
+    c = model.config
+    d, heads, groups = c.head_dim, c.num_attention_heads, c.query_groups
+    vocab_rows = [(None, 0, model.padded_vocab_size - model.vocab_size)] if model.padded_vocab_size > model.vocab_size \
+        else []
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", 0, model.vocab_size)] + vocab_rows, 0
+    if name == "output_weight":
+        source = "model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+        return [(source, 0, model.vocab_size)] + vocab_rows, 0
+    if name == "decoder.final_norm.weight":
+        return [("model.norm.weight", 0, c.hidden_size)], 0
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+        raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
+    p, rest = _hf_layer(int(match[1])), match[2]
+    attn = p + "self_attn."
+    if rest == "attention.qkv.weight":   # head by head: [q_i; k_i; v_i]
+        return [(f"{attn}{x}_proj.weight", i * d, (i + 1) * d) for i in range(heads) for x in "qkv"], 0
+    if rest == "attention.q.weight":
+        return [(attn + "q_proj.weight", 0, heads * d)], 0
+    if rest == "attention.kv.weight":   # group by group: [k_g; v_g]
+        return [(f"{attn}{x}_proj.weight", g * d, (g + 1) * d) for g in range(groups) for x in "kv"], 0
+    if rest == "attention.proj.weight":
+        return [(attn + "o_proj.weight", 0, heads * d)], 1
+    if rest == "attention_norm.weight":
+        return [(p + "input_layernorm.weight", 0, c.hidden_size)], 0
+    if rest == "mlp_norm.weight":
+        return [(p + "post_attention_layernorm.weight", 0, c.hidden_size)], 0
+    if rest == "mlp.fc1.weight":        # SwiGLU: gate then up
+        return [(p + "mlp.gate_proj.weight", 0, c.ffn_hidden_size), (p + "mlp.up_proj.weight", 0, c.ffn_hidden_size)], 0
+    if rest == "mlp.fc2.weight":
+        return [(p + "mlp.down_proj.weight", 0, c.ffn_hidden_size)], 1
+    if rest == "mlp.router.weight":
+        return [(p + "block_sparse_moe.gate.weight", 0, c.moe.num_experts)], 0
+    raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
+
+
+def _expert_segments(name: str, expert: int, model: GPTModel) -> Tuple[Segments, int]:
+    """One expert's slice of ``weight1`` ([gate; up] = [w1; w3]) or ``weight2`` (w2, columns split)."""
+    layer, which = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.(weight[12])", name).groups()
+    f = model.config.moe.ffn_hidden_size
+    q = f"{_hf_layer(int(layer))}block_sparse_moe.experts.{expert}."
+    if which == "weight1":
+        return [(q + "w1.weight", 0, f), (q + "w3.weight", 0, f)], 0
+    return [(q + "w2.weight", 0, f)], 1
+
+
+def _read_range(reader: SafetensorsSlices, segments: Segments, dim: int, start: int, stop: int,
+                like: torch.Tensor) -> torch.Tensor:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of the full tensor ``segments`` describe."""
+    pieces, pos = [], 0
+    for source, first, end in segments:
+        lo, hi = max(start, pos), min(stop, pos + end - first)
+        if lo < hi:
+            a, b = first + lo - pos, first + hi - pos
+            if source is None:
+                shape = list(like.shape)
+                shape[dim] = b - a
+                pieces.append(torch.zeros(shape, dtype=like.dtype))
+            else:
+                index = (slice(a, b),) if dim == 0 else (slice(None), slice(a, b))
+                pieces.append(reader.read(source, *index))
+        pos += end - first
+    return torch.cat(pieces, dim=dim)
+
+
+def _local_ranges(length: int, rank: int, size: int, stride: int) -> List[Tuple[int, int]]:
+    """The index ranges of a full dim of ``length`` a rank holds (``shard_of``'s strided blocks)."""
+    block = length // (size * stride)
+    return [((k * size + rank) * block, (k * size + rank + 1) * block) for k in range(stride)]
+
+
+def _read_local(reader: SafetensorsSlices, segments: Segments, dim: int, param: torch.Tensor, rank: int,
+                size: int, param_dim: Optional[int] = None) -> torch.Tensor:
+    """This rank's piece of a full tensor: its strided blocks along the partition dim, if split."""
+    length = sum(end - first for _, first, end in segments)
+    split = getattr(param, "tensor_model_parallel", False) and size > 1
+    ranges = _local_ranges(length, rank, size, getattr(param, "partition_stride", 1)) if split else [(0, length)]
+    like = param if param_dim is None else param[0]
+    return torch.cat([_read_range(reader, segments, dim, a, b, like) for a, b in ranges], dim=dim)
+
+
+def _check_shapes(reader: SafetensorsSlices, segments: Segments, expected: Dict[str, Tuple[int, ...]],
+                  ours: str) -> None:
+    for source, _, _ in segments:
+        if source is None:
+            continue
+        if source not in reader:
+            raise KeyError(f"{source!r} (for {ours}) is missing from the Hugging Face checkpoint.")
+        if reader.shape(source) != expected[source]:
+            raise ValueError(f"{source!r} has shape {reader.shape(source)} in the checkpoint but the model expects "
+                             f"{expected[source]}; check that config.json matches the weights.")
+
+
+# -- import ------------------------------------------------------------------------------------------
+
+
+def gpt_chunks(module: nn.Module) -> List[GPTModel]:
+    """The ``GPTModel`` chunks inside ``module`` (itself, a ``VirtualChunks``' chunks, a LightningModule's)."""
+    chunks = [m for m in module.modules() if isinstance(m, GPTModel)]
+    if not chunks:
+        raise TypeError(f"{type(module).__name__} holds no GPTModel/LlamaModel.")
+    return chunks
+
+
+@torch.no_grad()
+def load_hf_llama(module: nn.Module, path: Union[str, os.PathLike]) -> int:
+    """Copy a Hugging Face Llama/Mistral/Mixtral directory's weights into the local shards of every
+    ``LlamaModel`` chunk in ``module`` (every rank calls it; no communication). Each rank reads only
+    the slices its parameters hold; returns how many elements it read."""
+    state = get_parallel_state()
+    reader = SafetensorsSlices(path)
+    try:
+        for chunk in gpt_chunks(module):
+            expected = expected_hf_shapes(chunk)
+            names = global_names(chunk)
+            for local_name, param in chunk.named_parameters():
+                name = names[local_name]
+                if local_name == "output_weight":
+                    name = "output_weight"   # the untied output layer, or a last stage's tied copy
+                if name.endswith(("mlp.experts.weight1", "mlp.experts.weight2")):
+                    experts = chunk.get_submodule(local_name.rsplit(".", 1)[0])
+                    tensors = []
+                    for i in range(experts.num_local_experts):
+                        segments, dim = _expert_segments(name, experts.first_expert + i, chunk)
+                        _check_shapes(reader, segments, expected, name)
+                        tensors.append(_read_local(reader, segments, dim, param, experts.etp_rank, experts.etp_size,
+                                                   param_dim=0))
+                    local = torch.stack(tensors)
+                else:
+                    segments, dim = _segments(name, chunk)
+                    _check_shapes(reader, segments, expected, name)
+                    local = _read_local(reader, segments, dim, param, state.tp_rank, state.tp_size)
+                if local.shape != param.shape:
+                    raise ValueError(f"{name}: the checkpoint gives this rank shape {tuple(local.shape)} but the "
+                                     f"parameter is {tuple(param.shape)}; check that config.json matches the weights.")
+                param.copy_(local.to(param.dtype))
+            chunk.hf_config = read_hf_config(path)   # the export keeps its other keys (token ids, ...)
+    finally:
+        reader.close()
+    return reader.elements_read
+
+
+def llama_from_hf(path: Union[str, os.PathLike], vp_rank: int = 0, config_overrides: Optional[dict] = None,
+                  **model_kwargs: Any) -> LlamaModel:
+    """Build chunk ``vp_rank`` of the ``LlamaModel`` of an HF directory for this rank and load its weights.
+    Under virtual pipelining: ``VirtualChunks(lambda v: llama_from_hf(path, vp_rank=v))``."""
+    config = config_from_hf(path, **(config_overrides or {}))
+    kwargs = model_kwargs_from_hf(path)
+    kwargs.update(model_kwargs)
+    model = LlamaModel(config, vp_rank=vp_rank, **kwargs)
+    load_hf_llama(model, path)
+    return model
+
+
+# -- export ------------------------------------------------------------------------------------------
+
+
+def _full_tensor(param: torch.Tensor, state) -> torch.Tensor:
+    """The single-process tensor of ``param`` (collective over tp, or etp then ep for experts)."""
+    if getattr(param, "expert_parallel", False):
+        etp = full_of(param.detach(), param, state.group("etp"))
+        return gather_along_dim(etp.contiguous(), 0, state.group("ep"))
+    return full_of(param.detach(), param, state.tp_group)
+
+
+def _to_hf(name: str, full: torch.Tensor, model: GPTModel) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Hugging Face (name, tensor) pairs of our global ``name``'s full tensor."""
+    if name == "output_weight" and model.tie_word_embeddings:
+        return   # the last stage's copy of the tied table: HF ties lm_head itself
+    if name.endswith(("mlp.experts.weight1", "mlp.experts.weight2")):
+        for e in range(full.shape[0]):
+            segments, dim = _expert_segments(name, e, model)
+            yield from _split(segments, dim, full[e])
+        return
+    segments, dim = _segments(name, model)
+    yield from _split(segments, dim, full)
+
+
+def _split(segments: Segments, dim: int, full: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Inverse of the segments: each HF tensor assembled from its rows of ``full``."""
+    parts: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+    pos = 0
+    for source, first, end in segments:
+        if source is not None:
+            parts.setdefault(source, []).append((first, full.narrow(dim, pos, end - first)))
+        pos += end - first
+    for source, pieces in parts.items():
+        pieces.sort(key=lambda item: item[0])
+        yield source, torch.cat([t for _, t in pieces], dim=dim)
+
+
+def _stage_tensors(chunks: Sequence[GPTModel], state) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This stage's HF tensors, one parameter at a time (collectives inside: every rank of the stage)."""
+    for chunk in chunks:
+        names = global_names(chunk)
+        for local_name, param in chunk.named_parameters():
+            name = "output_weight" if local_name == "output_weight" else names[local_name]
+            yield from _to_hf(name, _full_tensor(param, state), chunk)
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes of ``5GB`` (10^9), ``5GiB`` (2^30), ``200MB``, ``20KB`` or an int (Hugging Face's convention)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if match is None:
+        raise ValueError(f"max_shard_size={size!r}: use bytes (an int) or a string such as '5GB' or '500MB'.")
+    unit = match[2]
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(float(match[1]) * (1024 if "I" in unit else 1000) ** power)
+
+
+class _ShardWriter:
+    """Rank 0's side of the export: fills safetensors files up to ``max_bytes`` and names them at the end."""
+
+    def __init__(self, out_dir: str, max_bytes: int) -> None:
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        os.makedirs(out_dir, exist_ok=True)
+        for stale in os.listdir(out_dir):   # an earlier export's shards would mix into the index
+            if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|\.export-\d+\.safetensors", stale):
+                os.remove(os.path.join(out_dir, stale))
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: List[Tuple[str, List[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous().clone()
+        self.pending_bytes += size
+        self.total += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        file = f".export-{len(self.files)}.safetensors"
+        save_file(self.pending, os.path.join(self.out_dir, file), metadata={"format": "pt"})
+        self.files.append((file, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self, config: dict) -> None:
+        self.flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, (temp, names) in enumerate(self.files):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, temp), os.path.join(self.out_dir, final))
+            weight_map.update({name: final for name in names})
+        if n > 1:
+            with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": self.total},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+
+@torch.no_grad()
+def save_hf_llama(module: nn.Module, out_dir: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
+                  dtype: Optional[torch.dtype] = None, model_type: Optional[str] = None) -> None:
+    """Write the ``LlamaModel`` in ``module`` (all its chunks, stages and shards) as a Hugging Face
+    directory on global rank 0 (collective: every rank calls it).
+
+    ``max_shard_size``: the largest safetensors file (bytes or ``"5GB"``); more than one file comes
+    with ``model.safetensors.index.json``. ``dtype``: the tensors' dtype on disk (default: the
+    parameters'). ``model_type``: ``"llama"``, ``"mistral"`` or ``"mixtral"`` (default: the imported
+    checkpoint's, else mixtral for MoE models and llama otherwise).
+    """
+    state = get_parallel_state()
+    chunks = gpt_chunks(module)
+    rank = dist.get_rank()
+    writer = state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0   # one rank per stage
+    writers: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(writers, (state.pp_rank, rank) if writer else None)
+    writer_of = {stage: r for stage, r in filter(None, writers)}
+    sink = _ShardWriter(os.fspath(out_dir), parse_size(max_shard_size)) if rank == 0 else None
+    device = next(chunks[0].parameters()).device
+    for stage in range(state.pp_size):
+        if state.pp_rank == stage:
+            for hf_name, tensor in _stage_tensors(chunks, state):
+                if not writer:
+                    continue
+                tensor = tensor.to(dtype or tensor.dtype).contiguous()
+                if rank == 0:
+                    sink.add(hf_name, tensor.cpu())
+                else:
+                    dist.send_object_list([(hf_name, tuple(tensor.shape), tensor.dtype)], dst=0)
+                    dist.send(tensor, dst=0)
+            if writer and rank != 0:
+                dist.send_object_list([None], dst=0)
+        elif rank == 0:
+            src = writer_of[stage]
+            while True:
+                box = [None]
+                dist.recv_object_list(box, src=src)
+                if box[0] is None:
+                    break
+                hf_name, shape, tensor_dtype = box[0]
+                buffer = torch.empty(shape, dtype=tensor_dtype, device=device)
+                dist.recv(buffer, src=src)
+                sink.add(hf_name, buffer.cpu())
+    if rank == 0:
+        last = chunks[-1]
+        sink.finish(hf_config_of(last, model_type, dtype, getattr(last, "hf_config", None)))
+    dist.barrier()

@@ -1,0 +1,85 @@
+"""Pre-training a Llama (RoPE, grouped-query attention, SwiGLU, RMSNorm, untied output) on token files."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import lightning as L
+import torch
+
+from ..flops import training_flops_per_sequence
+from ..models.llama import LlamaModel, llama_config
+from ..pipeline import VirtualChunks
+from ..transformer import TransformerConfig
+
+IGNORE_INDEX = -100
+
+
+class LlamaPretraining(L.LightningModule):
+    """Next-token prediction with ``LlamaModel``; the loss is the mean over the tokens that have a label
+    (packed rows mark padding and document ends with -100). Hyper-parameters are LightningCLI arguments;
+    ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``."""
+
+    def __init__(self, vocab_size: int = 512, seq_length: int = 128, num_layers: int = 4, hidden_size: int = 64,
+                 num_attention_heads: int = 4, num_query_groups: Optional[int] = 2,
+                 ffn_hidden_size: Optional[int] = None, rotary_base: float = 10000.0,
+                 sequence_parallel: bool = False, lr: float = 3e-3, min_lr: float = 3e-4, weight_decay: float = 0.01,
+                 warmup_steps: int = 10, init_seed: int = 1234) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def transformer_config(self) -> TransformerConfig:
+        h = self.hparams
+        return llama_config(h.num_layers, h.hidden_size, h.num_attention_heads, num_query_groups=h.num_query_groups,
+                            ffn_hidden_size=h.ffn_hidden_size, rotary_base=h.rotary_base,
+                            sequence_parallel=h.sequence_parallel, init_seed=h.init_seed)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        config, h = self.transformer_config(), self.hparams
+        self.model = VirtualChunks(lambda vp_rank: LlamaModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank))
+
+    def training_flops(self, batch: dict) -> int:
+        """Model FLOPs of one forward and backward pass over ``batch`` (for ``MegatronThroughputMonitor``)."""
+        b, s = batch["input_ids"].shape
+        return b * training_flops_per_sequence(self.transformer_config(), s, self.hparams.vocab_size)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        """Per-token losses ``[b, s]`` (0 where the label is -100)."""
+        return self.model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"])
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        counted = (batch["labels"] != IGNORE_INDEX).float()
+        return (self(batch) * counted).sum() / counted.sum().clamp(min=1.0)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def on_fit_end(self) -> None:
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        if self.trainer.is_global_zero:
+            print("final " + " ".join(f"{k}={v:.6f}" for k, v in sorted(metrics.items())), flush=True)
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay, betas=(0.9, 0.95))
+        total = max(1, self.trainer.max_steps) if self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        warmup = max(1, h.warmup_steps)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if total is None or total <= warmup:
+                return 1.0
+            progress = min(1.0, (step - warmup) / (total - warmup))
+            return (h.min_lr + (h.lr - h.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))) / h.lr
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

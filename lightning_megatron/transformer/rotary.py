@@ -1,0 +1,105 @@
+"""Rotary position embeddings (RoPE), as Llama and Hugging Face compute them.
+
+Each head's first ``rotary_dim`` channels are rotated in the "rotate half" convention (channel
+``i`` pairs with ``i + rotary_dim/2``, not with its neighbour), by angles ``position · inv_freq``;
+the remaining channels pass through. ``inv_freq`` is ``base^(-2i/rotary_dim)``, optionally
+rescaled (``rope_scaling``: ``"linear"`` divides every frequency by ``factor``, ``"llama3"`` only
+the low ones, smoothly), computed on the CPU in float32 exactly as ``transformers`` does, so an
+imported model gives Hugging Face's numbers.
+
+Positions are global token positions. ``SelfAttention`` rotates its queries and keys once it has
+the whole (context-parallel local) sequence: under sequence parallelism that is after the
+column-parallel all-gather; under context parallelism a rank holds chunks ``r`` and ``2cp-1-r``,
+whose positions ``context_parallel_position_ids`` gives, and keys are rotated before they are
+gathered, so every rank sees correctly rotated keys of the whole sequence. Explicit
+``position_ids`` ``[b, s]`` (this rank's slice, e.g. restarting per packed document) replace them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..context_parallel import context_parallel_position_ids
+from ..parallel import get_parallel_state
+
+
+def rope_inverse_frequencies(rotary_dim: int, base: float = 10000.0,
+                             scaling: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+    """``[rotary_dim / 2]`` float32 inverse frequencies on the CPU (Hugging Face's formulas, bit for bit)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., s, d]`` (heads before ``s``) by ``cos``/``sin`` ``[s, r]`` or ``[b, 1, s, r]``
+    (``r <= d``: the first ``r`` channels rotate)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """``forward(seq_len, position_ids=None)`` → ``(cos, sin)`` for queries/keys ``[b, heads, s, d]``.
+
+    Without ``position_ids`` the positions are this context-parallel rank's global ones (cached
+    per length: every layer of a step reuses them); with ``position_ids [b, s]`` the result is
+    ``[b, 1, s, r]``.
+    """
+
+    def __init__(self, rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any]] = None) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        # a plain float32 CPU tensor, not a buffer: ``model.to(torch.bfloat16)`` must not round it
+        self.inv_freq = rope_inverse_frequencies(rotary_dim, base, scaling)
+        self._cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype,
+                position_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is not None:
+            cos, sin = self._angles(position_ids.to(device), dtype)
+            return cos.unsqueeze(1), sin.unsqueeze(1)                           # [b, 1, s, r]
+        state = get_parallel_state()
+        # inference-mode tensors cannot be saved for a later training backward: a cache entry of their own
+        key = (seq_len, state.cp_size, state.cp_rank, torch.device(device), dtype, torch.is_inference_mode_enabled())
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        positions = context_parallel_position_ids(seq_len, state.cp_size, state.cp_rank, device)
+        angles = self._angles(positions, dtype)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing and not torch.compiler.is_compiling():   # a tensor made in a capture is not filled
+            self._cache = {key: angles}
+        return angles
