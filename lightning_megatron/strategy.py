@@ -42,6 +42,7 @@ from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_id
 from .config import CudaGraphConfig, GradientConfig, ParallelConfig
 from .transformer.config import model_defaults
 from .parallel import ParallelState
+from .fp8 import Float8Config, enable_fp8, fp8_config
 from .precision import parallel_precision
 from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
@@ -75,6 +76,9 @@ class MegatronStrategy(ParallelStrategy):
             the background and wait per module at its next forward. Between steps parameters are
             then current only after ``strategy.finish_param_sync()`` (checkpoints, evaluation and
             the end of fit call it; a callback reading weights must call it too).
+        fp8: train the linear layers in float8 through torchao: ``"tensorwise"``, ``"rowwise"`` or a
+            ``lightning_megatron.fp8.Float8Config`` (``None``: off); needs ``pip install
+            'lightning-megatron[fp8]'`` and a GPU of compute capability >= 8.9.
 
     Any of the last five switches gradients into contiguous buffers (``param.main_grad``; the
     optimizer still reads ``.grad``); with none of them, gradients stay in ``.grad`` and are
@@ -95,7 +99,7 @@ class MegatronStrategy(ParallelStrategy):
                  cuda_graph_backend: str = "cuda",
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  grad_reduce_in_fp32: bool = False, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False,
+                 overlap_param_gather: bool = False, fp8: Union[None, str, Float8Config] = None,
                  accelerator: Optional[Accelerator] = None, parallel_devices: Optional[List[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None) -> None:
@@ -111,6 +115,7 @@ class MegatronStrategy(ParallelStrategy):
                                               use_distributed_optimizer, overlap_param_gather)
         self.graph_config = CudaGraphConfig(cuda_graph, cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
         self.graph_config.check_with(self.gradient_config)
+        self.fp8 = fp8_config(fp8)   # validated here; torchao and the GPU are checked at setup
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
         self.engine: Optional[StepEngine] = None          # runs the steps (built in setup)
@@ -186,6 +191,7 @@ class MegatronStrategy(ParallelStrategy):
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
         assert self.model is not None and self.accelerator is not None
         self.precision_plugin = parallel_precision(self.precision_plugin, None)   # checked before any work
+        enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -27,7 +27,7 @@ class _TaskDataModule(L.LightningDataModule):
 
     choices = False
 
-    def __init__(self, tokenizer: str, batch_size: int, eval_batch_size: Optional[int], max_seq_length: int,
+    def __init__(self, tokenizer: Optional[str], batch_size: int, eval_batch_size: Optional[int], max_seq_length: int,
                  pad_to_multiple_of: int, num_workers: int, lowercase: Optional[bool]) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("max_seq_length", max_seq_length),
@@ -70,8 +70,9 @@ class MNLIDataModule(_TaskDataModule):
         data_dir: GLUE's MNLI folder (``train.tsv``, ``dev_matched.tsv``, ``dev_mismatched.tsv``) or
             MultiNLI 1.0's (``multinli_1.0_*.jsonl``). ``None``: the small synthetic sample shipped in
             the package (a smoke test, not MultiNLI).
-        tokenizer: the pretrained model's directory (its ``vocab.txt``), ``"minilm"``, or
-            ``"minilm-if-installed"`` (the sample's vocabulary when MiniLM is not installed).
+        tokenizer: the pretrained model's directory (its ``vocab.txt``), ``"minilm"``,
+            ``"minilm-if-installed"`` (the sample's vocabulary when MiniLM is not installed), or ``None``:
+            the shipped sample's own vocabulary (for a randomly initialized model on the sample).
         skip_no_consensus: leave out pairs whose gold label is ``-`` (no annotator majority), as the
             official evaluation does; ``False`` makes them an error. The count is reported.
         max_seq_length: ``[CLS] premise [SEP] hypothesis [SEP]`` is cut to this many tokens, the
@@ -79,7 +80,8 @@ class MNLIDataModule(_TaskDataModule):
         lowercase: ``None`` follows the tokenizer's ``do_lower_case``.
     """
 
-    def __init__(self, data_dir: Optional[str] = None, tokenizer: str = "minilm-if-installed", batch_size: int = 32,
+    def __init__(self, data_dir: Optional[str] = None, tokenizer: Optional[str] = "minilm-if-installed",
+                 batch_size: int = 32,
                  eval_batch_size: Optional[int] = None, max_seq_length: int = 128, skip_no_consensus: bool = True,
                  pad_to_multiple_of: int = 8, num_workers: int = 0, lowercase: Optional[bool] = None) -> None:
         super().__init__(tokenizer, batch_size, eval_batch_size, max_seq_length, pad_to_multiple_of, num_workers,

@@ -42,7 +42,7 @@ def resolve_pretrained(spec: Optional[str]) -> Optional[str]:
     return path
 
 
-def resolve_tokenizer_path(spec: str) -> str:
-    """Like :func:`resolve_pretrained`, with the shipped sample's vocabulary as the fallback."""
+def resolve_tokenizer_path(spec: Optional[str]) -> str:
+    """Like :func:`resolve_pretrained`, with the shipped sample's vocabulary as the fallback (and for ``None``)."""
     path = resolve_pretrained(spec)
     return SAMPLE_DIR if path is None else path

@@ -5,6 +5,10 @@ default generator, so a model built at TP=N holds exactly the numbers it holds a
 Parameters carry ``tensor_model_parallel``/``partition_dim``/``partition_stride`` so grad
 clipping and checkpoints can tell shards from replicas; replicated parameters whose gradients
 are partial under sequence parallelism carry ``sequence_parallel=True``.
+
+The linear layers' local matmul (``local_linear``) is ``F.linear``, or the float8 matmul that
+``lightning_megatron.fp8.enable_fp8`` puts in the layer's ``float8`` attribute (torchao's float8
+training): the tensor-parallel communication around it is the same either way.
 """
 
 from __future__ import annotations
@@ -78,7 +82,26 @@ class _TensorParallelModule(nn.Module):
         return resolve_group(self._explicit_group)
 
 
-class ColumnParallelLinear(_TensorParallelModule):
+class _TensorParallelLinear(_TensorParallelModule):
+    """What the column- and row-parallel linears share: this rank's matmul, in high precision or float8."""
+
+    #: this rank's ``(x, weight, bias) -> x @ weight.T + bias`` in float8, put here by
+    #: ``lightning_megatron.fp8.enable_fp8``; ``None``: ``F.linear``
+    float8: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
+
+    def local_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` on this rank, no communication: ``F.linear``, or the float8 matmul
+        ``enable_fp8`` installed (code that multiplies by a layer's weight itself should call this)."""
+        if self.float8 is None:
+            return F.linear(x, weight, bias)
+        return self.float8(x, weight, bias)
+
+    def _float8_repr(self) -> str:
+        return "" if self.float8 is None else f", float8={self.float8}"
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """``Y = X A + b`` with ``A`` split by columns: each rank computes its slice of the outputs.
 
     Input is replicated (f: identity forward, all-reduce backward) or, with
@@ -121,7 +144,7 @@ class ColumnParallelLinear(_TensorParallelModule):
             x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tensor_parallel_region(x, group)
-        out = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        out = self.local_linear(x, self.weight, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             out = gather_from_tensor_parallel_region(out, group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -129,10 +152,10 @@ class ColumnParallelLinear(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}{self._float8_repr()}")
 
 
-class RowParallelLinear(_TensorParallelModule):
+class RowParallelLinear(_TensorParallelLinear):
     """``Y = X A + b`` with ``A`` split by rows: each rank holds a slice of the inputs.
 
     Partial products are summed (g: all-reduce forward, identity backward) or, with
@@ -169,7 +192,7 @@ class RowParallelLinear(_TensorParallelModule):
         group = self.group
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group)
-        out = F.linear(x, self.weight)
+        out = self.local_linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, group)
         else:
@@ -181,7 +204,7 @@ class RowParallelLinear(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}{self._float8_repr()}")
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

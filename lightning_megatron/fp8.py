@@ -1,0 +1,317 @@
+"""FP8 training of the linear layers through torchao's float8 training (no Transformer Engine).
+
+Call :func:`enable_fp8` on the model once it is built, in ``configure_model``::
+
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            self.model = GPTModel(config, vocab_size, max_sequence_length)
+            enable_fp8(self.model, "tensorwise")          # or "rowwise", or a Float8Config
+
+Every ``ColumnParallelLinear`` / ``RowParallelLinear`` then runs its local matmul through torchao's
+float8 autograd matmul (``torchao.float8.float8_linear.matmul_with_hp_or_float8_args``, the function
+``torchao``'s ``Float8Linear`` calls) and keeps its tensor-parallel communication around it, in high
+precision: column-parallel = copy / sequence-parallel all-gather of the input, float8 matmul, output
+shard; row-parallel = float8 matmul, all-reduce / reduce-scatter. Plain ``nn.Linear`` layers are
+swapped to torchao's ``Float8Linear`` by ``torchao.float8.convert_to_float8_training``. Parameters,
+their names and checkpoints are unchanged: a model trained in float8 loads in bfloat16 and back.
+
+Recipes: torchao's ``Float8LinearConfig.from_recipe_name``: ``"tensorwise"`` (one dynamic scale per
+tensor) and ``"rowwise"`` (one per row along the contracted dimension, power-of-2 scales). Scales are
+dynamic (computed from the tensor on every call, on the device): no host synchronization, so the
+layers can be captured in CUDA graphs. ``Float8Config(compile=True)`` (the default) compiles each
+cast-and-matmul with ``torch.compile`` (torchao's casts are separate, memory-bound kernels in eager
+mode; compiled they fuse, which is where the speed-up comes from).
+
+What each rank's scale is computed over (tensor parallelism, with or without sequence parallelism).
+A scale is computed from the tensor the rank multiplies; no scale is reduced over the tp group, and
+none needs to be: float8 values never cross ranks (inputs are gathered and outputs reduced in high
+precision), so a scale has to be right only for the local matmul it dequantizes.
+
+=================  ======================================  ========================================
+tensor             column-parallel                         row-parallel
+=================  ======================================  ========================================
+input              the whole input (replicated, or the     this rank's slice of the features
+                   sequence-parallel all-gather): every    (``in / tp``)
+                   rank computes the TP=1 scale
+weight             this rank's shard (``out / tp`` rows)   this rank's shard (``in / tp`` columns)
+output gradient    this rank's slice (``out / tp``)        the whole gradient (replicated; with
+                                                           sequence parallelism all-gathered by
+                                                           the reduce-scatter's backward)
+=================  ======================================  ========================================
+
+Tensorwise: one scale over each of those tensors. Rowwise: one scale per row over the contracted
+dimension: for column-parallel it is whole on every rank (the TP=1 scales exactly); for row-parallel
+it is this rank's ``in / tp`` slice. A shard's scale is at least as fine as the TP=1 one, so TP=N is
+not bit-identical to TP=1 in float8 but is exactly what ``Float8Linear`` computes on that rank's shard
+(``tests/test_fp8.py`` checks it at TP=2). An amax reduction over ranks is needed only to communicate
+float8 tensors (torchao's ``enable_fsdp_float8_all_gather``, float8 all-gathers): both are off.
+
+Not converted: the vocabulary-parallel output layer / tied embedding (kept in high precision, as is
+usual), the grouped MoE experts (``GroupedMLP``: torchao's float8 grouped GEMM is a prototype that
+needs every expert's token count to be a multiple of 16; a warning names them), layers whose local
+weight is not a multiple of 16 in both dimensions (float8 GEMMs need it; skipped with one warning
+naming them). The number of tokens of a layer's input (batch x sequence, per tp rank before any
+sequence-parallel gather) must be a multiple of 16 for the backward; otherwise the layer raises a
+``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import types
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .moe.experts import GroupedMLP
+from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+RECIPES = ("tensorwise", "rowwise")
+MIN_CAPABILITY = (8, 9)           # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+MIN_TORCHAO = (0, 18)
+ALIGNMENT = 16                    # float8 GEMMs (torch._scaled_mm) need multiples of 16
+INSTALL = "pip install 'lightning-megatron[fp8]'"
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """How :func:`enable_fp8` converts a model.
+
+    Args:
+        recipe: ``"tensorwise"`` or ``"rowwise"``: torchao's ``Float8LinearConfig.from_recipe_name``.
+        compile: ``torch.compile`` each layer's cast-and-matmul (static shapes; one compiled function
+            per weight shape, shared by the layers of that shape; the first step compiles them).
+            Without it torchao's casts run as separate eager kernels and float8 is usually slower
+            than bfloat16.
+        emulate: torchao's emulation (float8 values, high-precision matmul): runs on the CPU and on
+            any GPU, for tests; no speed-up.
+        auto_filter: leave in high precision the layers that torchao's measurements (H100) say are
+            faster there (``torchao.float8._auto_filter_for_recipe``, applied to each rank's local
+            weight shape).
+        module_filter_fn: ``fn(module, fully_qualified_name) -> bool``: only layers it returns True
+            for are converted (torchao's ``module_filter_fn`` convention).
+    """
+
+    recipe: str = "tensorwise"
+    compile: bool = True
+    emulate: bool = False
+    auto_filter: bool = False
+    module_filter_fn: Optional[FilterFn] = None
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"fp8 recipe {self.recipe!r} is not one of {list(RECIPES)} (torchao's float8 "
+                             f"training recipes); use fp8=None to train without float8.")
+        for name in ("compile", "emulate", "auto_filter"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Float8Config.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+            raise ValueError(f"Float8Config.module_filter_fn must be callable(module, name) -> bool, "
+                             f"got {self.module_filter_fn!r}.")
+
+    def torchao_config(self):
+        """torchao's ``Float8LinearConfig`` of this recipe (``emulate`` applied). Needs torchao."""
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        if self.emulate:
+            config = dataclasses.replace(config, emulate=True)
+        # the layers communicate in high precision and need no padding: these must stay off
+        assert not config.enable_fsdp_float8_all_gather and not config.pad_inner_dim, config
+        return config
+
+
+def fp8_config(fp8: Union[None, str, Float8Config]) -> Optional[Float8Config]:
+    """The ``fp8=`` option as a :class:`Float8Config`: ``None`` (off), a recipe name, or a config."""
+    if fp8 is None or isinstance(fp8, Float8Config):
+        return fp8
+    if isinstance(fp8, str):
+        return Float8Config(fp8)
+    raise ValueError(f"fp8={fp8!r} must be None, one of {list(RECIPES)}, or a lightning_megatron.fp8.Float8Config.")
+
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+def check_fp8_supported(config: Float8Config) -> None:
+    """Raise one error naming the option and the fix if float8 training cannot run here: torchao missing
+    or too old (``ImportError``), no CUDA GPU with compute capability >= 8.9 (``RuntimeError``; not
+    checked with ``emulate=True``)."""
+    option = f"fp8={config.recipe!r}"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{option} trains through torchao's float8 training, and torchao is not installed "
+                          f"({err}). Install it with: {INSTALL} (torchao>=0.18), or set fp8=None.") from err
+    try:
+        version = metadata.version("torchao")
+    except metadata.PackageNotFoundError:   # a source checkout: trust it
+        version = None
+    if version is not None and _version_tuple(version) < MIN_TORCHAO:
+        raise ImportError(f"{option} needs torchao>=0.18, found torchao {version}: pip install -U "
+                          f"'lightning-megatron[fp8]'.")
+    if config.emulate:
+        return
+    if not torch.cuda.is_available():
+        found = "no CUDA GPU is available here"
+    else:
+        capability = torch.cuda.get_device_capability()
+        if capability >= MIN_CAPABILITY:
+            return
+        found = (f"this GPU ({torch.cuda.get_device_name()}) has compute capability "
+                 f"{capability[0]}.{capability[1]}")
+    raise RuntimeError(f"{option} needs a CUDA GPU with compute capability >= 8.9 (float8 tensor cores: Ada, "
+                       f"Hopper or newer), and {found}. Train with fp8=None here (float8 needs {INSTALL} "
+                       f"and such a GPU).")
+
+
+@functools.lru_cache(maxsize=None)
+def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[tuple] = None) -> Callable:
+    """``(x, weight, bias) -> x @ weight.T + bias`` through torchao's float8 autograd matmul, as
+    ``Float8Linear.forward`` calls it. Eager: one function per recipe. Compiled: one per recipe and
+    ``shape`` (the weight's, and whether there is a bias), each with its own code object and so its own
+    ``torch.compile`` cache: static shapes, and a model's many layer shapes do not add up against
+    dynamo's recompile limit (past it dynamo would silently fall back to eager)."""
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    config = Float8Config(recipe, emulate=emulate).torchao_config()
+    # torchao's own per-GEMM settings (fast accumulation in the forward only, ...), from a meta-device layer
+    mm_config = Float8Linear(ALIGNMENT, ALIGNMENT, bias=False, config=config, device="meta").linear_mm_config
+
+    def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        out = matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    if not compiled:
+        return float8_linear
+    # the public entry point applies torchao's inductor workaround for compiled float8 casts
+    # (triton-lang/triton#11111) before anything is compiled; there is nothing here to swap
+    convert_to_float8_training(nn.Module(), config=config)
+    name = f"float8_linear_{recipe}_" + "_".join(map(str, shape or ()))
+    code = float8_linear.__code__.replace(co_name=name, co_qualname=name) if hasattr(
+        float8_linear.__code__, "co_qualname") else float8_linear.__code__.replace(co_name=name)
+    fn = types.FunctionType(code, float8_linear.__globals__, name, None, float8_linear.__closure__)
+    return torch.compile(fn, dynamic=False)
+
+
+class Float8Matmul:
+    """One layer's local ``x @ weight.T + bias`` in float8 (what :func:`enable_fp8` puts in a parallel
+    linear's ``float8`` attribute). Holds only its config and the layer's name: copies and pickles."""
+
+    def __init__(self, config: Float8Config, name: str) -> None:
+        self.config, self.name = config, name
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.device.type != "cuda" and not self.config.emulate:
+            raise RuntimeError(f"{self.name}: fp8={self.config.recipe!r} runs float8 GEMMs on a CUDA GPU, but its "
+                               f"input is on {x.device}. Move the model to the GPU or train with fp8=None.")
+        if torch.is_autocast_enabled(x.device.type):   # as Float8Linear: the output has the autocast dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        tokens = x.numel() // x.shape[-1] if x.dim() else 0
+        needs_backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if weight.shape[0] % ALIGNMENT or weight.shape[1] % ALIGNMENT or (needs_backward and tokens % ALIGNMENT):
+            raise ValueError(
+                f"{self.name}: fp8={self.config.recipe!r} needs every dimension of its float8 GEMMs to be a multiple "
+                f"of {ALIGNMENT}: weight {tuple(weight.shape)}, {tokens} tokens (batch x sequence of this input). "
+                f"Use a batch size / sequence length whose product is a multiple of {ALIGNMENT}, or leave this "
+                f"layer out (Float8Config(module_filter_fn=...)).")
+        shape = (*weight.shape, bias is not None) if self.config.compile else None
+        return _float8_linear(self.config.recipe, self.config.emulate, self.config.compile, shape)(x, weight, bias)
+
+    def __repr__(self) -> str:
+        return self.config.recipe + (" (emulated)" if self.config.emulate else "")
+
+
+def _auto_keeps(config: Float8Config, name: str, out_features: int, in_features: int) -> bool:
+    """torchao's size heuristic for ``config.recipe``, on a meta ``nn.Linear`` of this rank's shape."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    probe = nn.Linear(in_features, out_features, bias=False, device="meta")
+    return _auto_filter_for_recipe(config.recipe, filter_fqns=[])(probe, name)
+
+
+def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwise") -> List[str]:
+    """Train ``model``'s linear layers in float8 through torchao; returns the names of the converted layers.
+
+    ``fp8``: ``"tensorwise"``, ``"rowwise"``, a :class:`Float8Config`, or ``None`` (nothing happens).
+    Converts, in place: every ``ColumnParallelLinear`` / ``RowParallelLinear`` (their local matmul; see
+    the module docstring for what each rank's scales are computed over) and every ``nn.Linear`` (swapped
+    to torchao's ``Float8Linear``). Call it once the model is built (``configure_model``), before the
+    optimizer exists or after: parameters stay the same objects.
+
+    Raises ``ImportError`` without torchao and ``RuntimeError`` without a CUDA GPU of compute capability
+    >= 8.9, each naming the fix. Layers whose local weight is not a multiple of 16 in both dimensions stay
+    in high precision (one warning names them), as do grouped MoE experts (a warning names them).
+    """
+    config = fp8_config(fp8)
+    if config is None:
+        return []
+    if isinstance(model, nn.Linear):
+        raise ValueError("enable_fp8 converts the layers inside a model in place: pass the module that holds "
+                         "this nn.Linear (or use torchao.float8.convert_to_float8_training on it).")
+    check_fp8_supported(config)
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted: List[str] = []
+    misaligned: List[str] = []
+    experts: List[str] = []
+
+    def keep(module: nn.Module, name: str, out_features: int, in_features: int) -> bool:
+        if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
+            return False
+        if out_features % ALIGNMENT or in_features % ALIGNMENT:
+            misaligned.append(f"{name or type(module).__name__} ({type(module).__name__}, local weight "
+                              f"{out_features}x{in_features})")
+            return False
+        return not config.auto_filter or _auto_keeps(config, name, out_features, in_features)
+
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if keep(module, name, *module.weight.shape):
+                module.float8 = Float8Matmul(config, name or type(module).__name__)
+                converted.append(name)
+        elif isinstance(module, GroupedMLP):
+            experts.append(name)
+
+    swapped: List[str] = []
+
+    def keep_linear(module: nn.Module, name: str) -> bool:
+        if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
+            return False
+        if keep(module, name, *module.weight.shape):
+            swapped.append(name)
+            return True
+        return False
+
+    convert_to_float8_training(model, config=config.torchao_config(), module_filter_fn=keep_linear)
+    if config.compile:
+        names = set(swapped)
+        for name, module in model.named_modules():
+            if name in names and isinstance(module, Float8Linear):
+                module.compile()
+    converted += swapped
+
+    if misaligned:
+        warnings.warn(f"fp8={config.recipe!r}: these layers stay in high precision, their local weight is not a "
+                      f"multiple of {ALIGNMENT} in both dimensions (float8 GEMMs need it): {', '.join(misaligned)}.",
+                      UserWarning, stacklevel=2)
+    if experts:
+        warnings.warn(f"fp8={config.recipe!r}: the grouped MoE experts stay in high precision (float8 grouped "
+                      f"GEMMs are not supported yet): {', '.join(experts)}.", UserWarning, stacklevel=2)
+    if not converted:
+        warnings.warn(f"fp8={config.recipe!r}: enable_fp8 found no linear layer to convert in "
+                      f"{type(model).__name__}.", UserWarning, stacklevel=2)
+    return converted
+
+
+__all__ = ["Float8Config", "Float8Matmul", "RECIPES", "check_fp8_supported", "enable_fp8", "fp8_config"]
