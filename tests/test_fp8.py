@@ -372,17 +372,28 @@ def test_gpu_float8_gpt_under_partial_cuda_graphs_trains_like_eager(one_rank):
     assert eager[-1] < eager[0]
 
 
-def test_strategy_fp8_option_is_checked_at_init_and_setup():
-    """``MegatronStrategy(fp8=...)``: a bad value fails at construction; on a CPU the fit stops at setup with the
-    error that names the option (before any step)."""
+def _fit_with_fp8_on_cpu():
     import lightning as L
 
     from lightning_megatron import MegatronStrategy
     from strategy_utils import TinyGPT, TokenData
 
-    with pytest.raises(ValueError, match="fp8 recipe 'bogus' is not one of"):
-        MegatronStrategy(fp8="bogus")
     trainer = L.Trainer(strategy=MegatronStrategy(fp8="tensorwise"), accelerator="cpu", devices=1, max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(RuntimeError, match="fp8='tensorwise'"):
+    try:
         trainer.fit(TinyGPT(), torch.utils.data.DataLoader(TokenData(n=8), batch_size=4))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_strategy_fp8_option_is_checked_at_init_and_setup():
+    """``MegatronStrategy(fp8=...)``: a bad value fails at construction; on a CPU the fit stops at setup with the
+    error that names the option (before any step). The fit runs in its own process: it builds process groups."""
+    from lightning_megatron import MegatronStrategy
+    from lightning_megatron.testing import run_on_ranks
+
+    with pytest.raises(ValueError, match="fp8 recipe 'bogus' is not one of"):
+        MegatronStrategy(fp8="bogus")
+    message = run_on_ranks(_fit_with_fp8_on_cpu, 1, timeout=120)[0]
+    assert "fp8='tensorwise'" in message, message
