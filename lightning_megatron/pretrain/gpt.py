@@ -7,7 +7,7 @@ module runs with any TP/PP/VPP/DP layout.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import lightning as L
 import torch
@@ -32,6 +32,7 @@ class GPTPretraining(L.LightningModule):
         equal ``hidden_size``); the strategy's ``expert_model_parallel_size`` spreads the experts."""
         super().__init__()
         self.save_hyperparameters()
+        self._flops_per_sequence: Dict[int, int] = {}
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -52,7 +53,11 @@ class GPTPretraining(L.LightningModule):
         """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once),
         for ``lightning_megatron.callbacks.MegatronThroughputMonitor``'s TFLOP/s and MFU."""
         b, s = batch["input_ids"].shape
-        return b * training_flops_per_sequence(self.transformer_config(), s, self.hparams.vocab_size)
+        per_sequence = self._flops_per_sequence.get(s)
+        if per_sequence is None:   # called every batch: the config is built and counted once per length
+            per_sequence = self._flops_per_sequence[s] = training_flops_per_sequence(
+                self.transformer_config(), s, self.hparams.vocab_size)
+        return b * per_sequence
 
     def forward(self, batch: dict) -> torch.Tensor:
         return self.model(batch["input_ids"], labels=batch["labels"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Dict, Optional
 
 import lightning as L
 import torch
@@ -28,6 +28,7 @@ class LlamaPretraining(L.LightningModule):
                  warmup_steps: int = 10, init_seed: int = 1234) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self._flops_per_sequence: Dict[int, int] = {}
 
     def transformer_config(self) -> TransformerConfig:
         h = self.hparams
@@ -44,7 +45,11 @@ class LlamaPretraining(L.LightningModule):
     def training_flops(self, batch: dict) -> int:
         """Model FLOPs of one forward and backward pass over ``batch`` (for ``MegatronThroughputMonitor``)."""
         b, s = batch["input_ids"].shape
-        return b * training_flops_per_sequence(self.transformer_config(), s, self.hparams.vocab_size)
+        per_sequence = self._flops_per_sequence.get(s)
+        if per_sequence is None:   # called every batch: the config is built and counted once per length
+            per_sequence = self._flops_per_sequence[s] = training_flops_per_sequence(
+                self.transformer_config(), s, self.hparams.vocab_size)
+        return b * per_sequence
 
     def forward(self, batch: dict) -> torch.Tensor:
         """Per-token losses ``[b, s]`` (0 where the label is -100)."""
