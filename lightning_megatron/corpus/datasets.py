@@ -6,6 +6,7 @@ map-style, so the strategy's resumable loader restarts mid-epoch at the exact sa
 
 from __future__ import annotations
 
+import bisect
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ class TokenWindows(Dataset):
 
 
 class PackedDocuments(Dataset):
-    """Whole documents packed into rows of ``seq_length + 1`` tokens (first fit, in a shuffled order; a
+    """Whole documents packed into rows of ``seq_length + 1`` tokens (best fit in a shuffled order, O(log row) per document; a
     document longer than a row is cut into row-sized pieces). Item: ``input_ids``, ``labels``,
     ``position_ids`` restarting at 0 in each document, ``document_ids`` (0, 1, ... within the row; -1 on
     padding) for attention that must not cross documents, and ``labels`` set to ``ignore_index`` where the
@@ -77,16 +78,25 @@ class PackedDocuments(Dataset):
             length = int(corpus.document_lengths[doc])
             pieces.extend((int(doc), s, min(row, length - s)) for s in range(0, length, row))
         rows: List[List[tuple]] = []
-        free: List[int] = []
-        for piece in pieces:   # first fit: the earliest row with room
-            for r, room in enumerate(free):
-                if piece[2] <= room:
-                    rows[r].append(piece)
-                    free[r] -= piece[2]
-                    break
+        rooms: List[int] = []                  # the distinct free room sizes of open rows, sorted
+        open_rows: Dict[int, List[int]] = {}   # free room -> the rows with that much room
+        for piece in pieces:   # best fit: a row with the least room that still holds the piece
+            k = bisect.bisect_left(rooms, piece[2])
+            if k < len(rooms):
+                room = rooms[k]
+                r = open_rows[room].pop()
+                if not open_rows[room]:
+                    del open_rows[room], rooms[k]
+                rows[r].append(piece)
             else:
+                room, r = row, len(rows)
                 rows.append([piece])
-                free.append(row - piece[2])
+            left = room - piece[2]
+            if left > 0:
+                if left not in open_rows:
+                    open_rows[left] = []
+                    bisect.insort(rooms, left)
+                open_rows[left].append(r)
         self.rows = rows
 
     def __len__(self) -> int:
