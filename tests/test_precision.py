@@ -68,7 +68,7 @@ def test_16_mixed_under_pipeline_parallelism_skips_the_step_on_every_stage():
         assert scales == [2.0**15]
 
 
-def test_the_plugin_for_each_precision_clips_by_the_whole_model():
+def test_each_precision_gets_its_parallel_plugin():
     def plugin_of(precision):
         # Lightning turns precision="16-mixed" into bf16 on CPU: name the plugin to get a scaler here
         plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else None
