@@ -28,12 +28,15 @@ class StepLogCapture:
         self.module = module
         self.passthrough_metrics = passthrough_metrics
         self.microbatches: List[Dict[str, Record]] = []
+        self.weights: List[float] = []
 
     @contextlib.contextmanager
-    def microbatch(self) -> Iterator[None]:
-        """Record the module's ``log``/``log_dict`` calls made inside this block."""
+    def microbatch(self, weight: float = 1.0) -> Iterator[None]:
+        """Record the module's ``log``/``log_dict`` calls made inside this block. ``weight``: the
+        micro-batch's samples, so a smaller last micro-batch counts for what it holds."""
         records: Dict[str, Record] = {}
         self.microbatches.append(records)
+        self.weights.append(float(weight))
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if self.passthrough_metrics and _is_metric(value):
@@ -53,13 +56,20 @@ class StepLogCapture:
             del self.module.log_dict
 
     def averaged(self) -> Dict[str, Record]:
-        """Each logged name's mean over the micro-batches that logged it, with its arguments."""
+        """Each logged name's mean over the micro-batches that logged it (weighted by their samples), with
+        its arguments. Equal micro-batches: the plain mean."""
         out: Dict[str, Record] = {}
         names = [n for records in self.microbatches for n in records]
         for name in dict.fromkeys(names):
-            values = [records[name][0] for records in self.microbatches if name in records]
-            _, args, kwargs = next(records[name] for records in self.microbatches if name in records)
-            out[name] = (torch.stack(values).mean(), args, kwargs)   # on the device: no sync per micro-batch
+            logged = [(records[name], w) for records, w in zip(self.microbatches, self.weights) if name in records]
+            _, args, kwargs = logged[0][0]
+            values = torch.stack([record[0] for record, _ in logged])
+            weights = [w for _, w in logged]
+            if len(set(weights)) == 1:
+                value = values.mean()   # on the device: no sync per micro-batch
+            else:
+                value = (values * values.new_tensor(weights)).sum() / sum(weights)
+            out[name] = (value, args, kwargs)
         return out
 
 

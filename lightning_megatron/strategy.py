@@ -156,9 +156,9 @@ class MegatronStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
-        if self._start_method == "popen":
+        # torchrun/srun started the processes: the script launcher starts none, but first checks that
+        # devices x num_nodes is the world the launcher made (else a bare IndexError on the extra ranks)
+        if self.cluster_environment.creates_processes_externally or self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)

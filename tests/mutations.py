@@ -94,6 +94,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("scaler-overflow-not-agreed", "lightning_megatron/precision.py",
              "                dist.all_reduce(found, op=dist.ReduceOp.MAX)\n", "                pass\n",
              ("tests/test_precision.py::test_16_mixed_under_pipeline_parallelism_skips_the_step_on_every_stage",)),
+    # evaluation: a ragged last batch's smaller micro-batch weighs what it holds
+    Mutation("eval-microbatch-logs-unweighted", "lightning_megatron/step_logging.py",
+             "            if len(set(weights)) == 1:\n", "            if True:\n",
+             ("tests/test_strategy_features.py::test_ragged_last_validation_batch_counts_every_sample",), ci=False),
     # throughput: samples counted once per data-parallel replica, FLOPs once for the whole model
     Mutation("throughput-counts-per-rank", "lightning_megatron/callbacks.py",
              "    shared = world / _data_parallel_size(trainer, world)", "    shared = world",

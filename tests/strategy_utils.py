@@ -94,14 +94,14 @@ class TinyGPTWithAccuracy(TinyGPT):
         self.log("val_loss", self(batch).mean(), sync_dist=True)
 
 
-def validate_tiny_gpt(strategy_kwargs, global_batch_size=8, module_cls=TinyGPTWithAccuracy):
+def validate_tiny_gpt(strategy_kwargs, global_batch_size=8, module_cls=TinyGPTWithAccuracy, dataset_size=32):
     world = int(__import__("os").environ["WORLD_SIZE"])
     mp = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get("pipeline_model_parallel_size", 1)
     L.seed_everything(0, verbose=False)
     module = module_cls()
     trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world,
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
-    metrics = trainer.validate(module, DataLoader(TokenData(n=32, seed=1), batch_size=global_batch_size // (world // mp)),
+    metrics = trainer.validate(module, DataLoader(TokenData(n=dataset_size, seed=1), batch_size=global_batch_size // (world // mp)),
                                verbose=False)
     return {k: float(v) for k, v in metrics[0].items()}
 

@@ -38,6 +38,21 @@ def test_validation_metrics_equal_single_process(world, kwargs):
             assert metrics["val_acc"] == pytest.approx(ref["val_acc"], abs=1e-7)
 
 
+@pytest.mark.parametrize("world, kwargs", [(1, dict(micro_batch_size=4)),
+                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=4)),
+                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=4,
+                                                    virtual_pipeline_model_parallel_size=2))])
+def test_ragged_last_validation_batch_counts_every_sample(world, kwargs):
+    """30 samples in batches of 8: the last batch of 6 runs as micro-batches of 4 and 2 (it raised), and
+    its loss is their mean weighted by samples, as one process computes it over the 6."""
+    ref = run_on_ranks(validate_tiny_gpt, 1, dict(), dataset_size=30, timeout=120)[0]
+    out = run_on_ranks(validate_tiny_gpt, world, kwargs, dataset_size=30, timeout=180)
+    for metrics in out:
+        assert metrics["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6)
+        if world == 1:
+            assert metrics["val_acc"] == pytest.approx(ref["val_acc"], abs=1e-7)
+
+
 def test_sanity_check_and_validation_run_under_pipeline():
     kwargs = dict(pipeline_model_parallel_size=2, micro_batch_size=2)
     val = DataLoader(TokenData(n=16, seed=1), batch_size=4)

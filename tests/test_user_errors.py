@@ -114,3 +114,49 @@ def test_ckpt_path_that_is_no_checkpoint_folder_says_what_one_is(tmp_path, what)
     assert f"{path} is not a lightning-megatron sharded checkpoint folder" in message, message
     assert ".metadata" in message and ".distcp" in message, message
     assert "ModelCheckpoint" in message and "trainer.save_checkpoint" in message, message
+
+
+# --- a launcher that started fewer processes than devices x num_nodes -----------------------------------
+
+_LAUNCHED_SCRIPT = """
+import lightning as L, torch
+from lightning_megatron import MegatronStrategy
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+trainer = L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2), devices=2, accelerator="cpu",
+                    max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2))
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_fewer_launched_processes_than_devices_is_one_clear_error(tmp_path, launcher):
+    """torchrun/srun made a world of 1 while the Trainer says devices=2: Lightning's check of the launcher's
+    settings names devices (it was a bare IndexError on the ranks that do not exist)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    if launcher == "torchrun":
+        env.update(TORCHELASTIC_RUN_ID="x", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", GROUP_RANK="0",
+                   LOCAL_WORLD_SIZE="1")
+    else:
+        env.update(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID="0",
+                   SLURM_LOCALID="0", SLURM_JOB_NAME="job", SLURM_JOB_ID="4242", SLURM_NODELIST="127.0.0.1")
+    script = tmp_path / "fit.py"
+    script.write_text(_LAUNCHED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "ValueError" in done.stderr and "devices=2" in done.stderr, done.stderr[-3000:]
+    assert "IndexError" not in done.stderr, done.stderr[-3000:]

@@ -24,20 +24,24 @@ def batch_size_of(batch: Any) -> Optional[int]:
     return None
 
 
-def split_into_microbatches(batch: Any, micro_batch_size: Optional[int]) -> List[Any]:
+def split_into_microbatches(batch: Any, micro_batch_size: Optional[int], allow_smaller_last: bool = False) -> List[Any]:
     """``batch`` cut into ``B / micro_batch_size`` pieces; tensors split along dim 0, other leaves
-    (strings, numbers) repeated. ``None`` keeps the batch whole."""
+    (strings, numbers) repeated. ``None`` keeps the batch whole.
+
+    ``allow_smaller_last`` (evaluation): a batch that ``micro_batch_size`` does not divide (the ragged
+    last batch of a validation set) ends in a smaller micro-batch instead of raising; a training step
+    refuses it, since its micro-batches are averaged with equal weights."""
     size = batch_size_of(batch)
     if micro_batch_size is None or size is None:
         return [batch]
-    if size % micro_batch_size:
+    if size % micro_batch_size and not allow_smaller_last:
         raise ValueError(
             f"the batch has {size} samples per data-parallel rank, which micro_batch_size={micro_batch_size} "
             f"does not divide; use a batch size that is a multiple of {micro_batch_size} (with drop_last=True "
             "for a smaller last batch) or a micro_batch_size that divides it."
         )
-    count = size // micro_batch_size
-    return [_take(batch, i * micro_batch_size, (i + 1) * micro_batch_size, size) for i in range(count)]
+    starts = range(0, size, micro_batch_size)
+    return [_take(batch, start, min(start + micro_batch_size, size), size) for start in starts]
 
 
 def _take(batch: Any, start: int, end: int, size: int) -> Any:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..context_parallel import split_for_context_parallel
 from ..distributed import split_into_microbatches
+from ..distributed.microbatches import batch_size_of
 from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
 from ..pipeline import resolve_group_size, schedule_order
@@ -165,7 +166,9 @@ class StepEngine:
         state, module = self.state, self.module
         if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
             batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1)
-        microbatches = split_into_microbatches(batch, self.micro_batch_size)
+        # evaluation keeps every sample of a ragged last batch (a smaller last micro-batch, logs weighted by size)
+        microbatches = split_into_microbatches(batch, self.micro_batch_size, allow_smaller_last=forward_only)
+        sizes = [batch_size_of(m) or 1 for m in microbatches]
         if self.chunks > 1:
             resolve_group_size(len(microbatches), state.pp_size, self.chunks, self.group_size)
         roots = self.roots
@@ -187,7 +190,7 @@ class StepEngine:
                     if record_shapes:
                         shapes.append(tuple(activation.shape))
                     return activation
-                with capture.microbatch():
+                with capture.microbatch(sizes[ctx.microbatch_id]):
                     out = last_stage(microbatch)
             if forward_only:
                 results.append(out)
