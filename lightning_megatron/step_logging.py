@@ -96,12 +96,33 @@ def _as_value(value: Any) -> torch.Tensor:
 
 
 def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
-    """``obj`` as the last pipeline stage holds it, on every stage (a collective over pp)."""
+    """``obj`` (Python objects and CPU tensors) as the last pipeline stage holds it, on every stage (host
+    to host over the pp group's gloo twin)."""
     if state.pp_size == 1:
         return obj
     box = [_to_host(obj)]
-    dist.broadcast_object_list(box, src=state.ranks("pp")[-1], group=state.pp_group)
+    dist.broadcast_object_list(box, src=state.ranks("pp")[-1], group=state.pp_host_group)
     return box[0]
+
+
+def broadcast_logs_from_last_stage(logs: Dict[str, Record], state: ParallelState,
+                                   device: torch.device) -> Dict[str, Record]:
+    """The last stage's averaged records on every stage without a host sync: the names and logging
+    arguments go host to host (gloo), the values as one device tensor over the pp group."""
+    if state.pp_size == 1:
+        return logs
+    src = state.ranks("pp")[-1]
+    box = [[(name, args, kwargs) for name, (_, args, kwargs) in logs.items()] if state.rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=state.pp_host_group)
+    layout = box[0]
+    if not layout:
+        return {}
+    if state.rank == src:
+        values = torch.stack([logs[name][0].to(device, torch.float32) for name, _, _ in layout])
+    else:
+        values = torch.empty(len(layout), dtype=torch.float32, device=device)
+    dist.broadcast(values, src=src, group=state.pp_group)
+    return {name: (values[i], args, kwargs) for i, (name, args, kwargs) in enumerate(layout)}
 
 
 class _DataParallelGroup:

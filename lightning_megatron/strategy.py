@@ -463,6 +463,14 @@ class MegatronStrategy(ParallelStrategy):
             elif path.exists():
                 path.unlink()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A run that failed before its step engine existed (configure_model, setup) leaves no half-built
+        process groups active for the next model built in this process; after setup they stay (a
+        ``save_checkpoint`` after an interrupted fit still needs them)."""
+        if self.engine is None and self.parallel_state is not None:
+            self.parallel_state.destroy()
+            self.parallel_state = None
+
     def teardown(self) -> None:
         """The process groups stay until the next ``setup_environment`` (or process exit), so
         ``trainer.save_checkpoint`` after ``fit`` can still write its shards."""

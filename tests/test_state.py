@@ -95,3 +95,25 @@ def test_no_active_state_explains_how_to_get_one():
 def test_state_needs_an_initialized_world():
     with pytest.raises(RuntimeError, match="init_process_group"):
         ParallelState(ParallelLayout(1))
+
+
+def _logs_over_the_pipeline():
+    import torch.distributed as dist
+
+    from lightning_megatron.step_logging import broadcast_logs_from_last_stage
+
+    state = ParallelState(ParallelLayout(dist.get_world_size(), pp=2)).activate()
+    try:
+        logs = {}
+        if state.is_pipeline_last_stage(ignore_virtual=True):
+            logs = {"loss": (torch.tensor(2.5), ("a",), {"sync_dist": True}), "acc": (torch.tensor(0.25), (), {})}
+        got = broadcast_logs_from_last_stage(logs, state, torch.device("cpu"))
+        return {name: (float(value), args, kwargs) for name, (value, args, kwargs) in got.items()}
+    finally:
+        state.destroy()
+
+
+def test_logs_reach_every_stage_names_and_arguments_by_host_values_by_tensor():
+    out = run_on_ranks(_logs_over_the_pipeline, 4, timeout=60)
+    expected = {"loss": (2.5, ("a",), {"sync_dist": True}), "acc": (0.25, (), {})}
+    assert out == [expected] * 4

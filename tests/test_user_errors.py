@@ -160,3 +160,35 @@ def test_fewer_launched_processes_than_devices_is_one_clear_error(tmp_path, laun
     assert done.returncode != 0
     assert "ValueError" in done.stderr and "devices=2" in done.stderr, done.stderr[-3000:]
     assert "IndexError" not in done.stderr, done.stderr[-3000:]
+
+
+def _fit_whose_model_fails():
+    import lightning as L
+    import torch
+
+    from lightning_megatron import MegatronStrategy
+    from lightning_megatron.parallel import has_parallel_state
+
+    class Broken(L.LightningModule):
+        def configure_model(self):
+            GPTModel(_config(hidden_size=12, num_attention_heads=6), 64, 8)   # 6 heads do not split over tp=4
+
+        def training_step(self, batch, batch_idx):
+            raise AssertionError("unreachable")
+
+        def configure_optimizers(self):
+            raise AssertionError("unreachable")
+
+    trainer = L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=int(os.environ["WORLD_SIZE"])),
+                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(Broken(), torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2))
+    except ValueError as err:
+        return "num_attention_heads=6" in str(err), has_parallel_state()
+    return False, has_parallel_state()
+
+
+def test_a_model_that_fails_to_build_leaves_no_parallel_state_active():
+    """The next model built in the process (a notebook's retry) must not find the failed run's groups."""
+    assert run_on_ranks(_fit_whose_model_fails, 4, timeout=120) == [(True, False)] * 4

@@ -27,7 +27,7 @@ from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
-from ..step_logging import Record, StepLogCapture, broadcast_from_last_stage
+from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage
 
 LastStage = Callable[[Any], Any]   # micro-batch -> (loss to backpropagate, value to report) | eval output
 
@@ -240,7 +240,7 @@ class StepEngine:
                 loss /= state.size("dp-cp")
         logs = core["logs"]
         if state.pp_size > 1:
-            logs = broadcast_from_last_stage(logs, state)
+            logs = broadcast_logs_from_last_stage(logs, state, self.device)
         return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"])
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ several names (``tp-cp`` is ``tp`` when cp=1) become one process group.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -65,7 +65,7 @@ class ParallelState:
 
         self._ranks: Dict[str, List[int]] = {}
         self._groups: Dict[str, dist.ProcessGroup] = {}
-        self._created: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+        self._created: Dict[Tuple[Any, ...], dist.ProcessGroup] = {}
         kwargs = {}
         if backend is not None:
             kwargs["backend"] = backend
@@ -79,6 +79,16 @@ class ParallelState:
                 if self.rank in ranks:
                     self._ranks[name] = ranks
                     self._groups[name] = self._created[key]
+        # what the last pipeline stage logged (names, arguments) reaches the other stages host to host:
+        # pickled objects over NCCL would make both sides wait for their GPUs every step
+        self._pp_host_group: Optional[dist.ProcessGroup] = None
+        if layout.pp > 1:
+            host = dict(kwargs, backend="gloo")
+            for ranks in layout.groups("pp"):
+                made = self._created[tuple(ranks)] if dist.get_backend() == "gloo" else dist.new_group(ranks, **host)
+                self._created.setdefault(("host",) + tuple(ranks), made)
+                if self.rank in ranks:
+                    self._pp_host_group = made
 
     # -- generic access ------------------------------------------------------------------------
     def group(self, name: str) -> dist.ProcessGroup:
@@ -143,6 +153,14 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @property
+    def pp_host_group(self) -> dist.ProcessGroup:
+        """A CPU (gloo) group over this rank's pipeline stages, for Python objects known on the host."""
+        self._check_alive()
+        if self._pp_host_group is None:
+            raise ValueError("pp_host_group exists only under pipeline parallelism (pp > 1).")
+        return self._pp_host_group
+
+    @property
     def next_pipeline_rank(self) -> int:
         """Global rank of the next stage (wrapping around, as the interleaved schedule needs)."""
         ranks = self.ranks("pp")
@@ -177,7 +195,7 @@ class ParallelState:
         global _ACTIVE
         if self._created is None:
             return
-        for group in self._created.values():
+        for group in dict.fromkeys(self._created.values()):   # a gloo world's host groups are its pp groups
             if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
         self._created = None
