@@ -11,10 +11,8 @@ then let Lightning clip and step. Lightning's own backward is a no-op: the sched
 
 from __future__ import annotations
 
-import shutil
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
@@ -33,7 +31,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.constants import default_pg_timeout
 
-from .checkpoint import load_rank_state, load_sharded, save_sharded
+from .checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place, remove_checkpoint_path,
+                                      save_trainer_checkpoint)
 from .distributed import FullOptimizerView
 from .distributed.gradients import GradientState, checkpoint_views
 from .engine import StepEngine, StepResult
@@ -47,7 +46,6 @@ from .precision import parallel_precision
 from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
-from .rng_state import capture_rng_state, restore_rng_state
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 class MegatronStrategy(ParallelStrategy):
@@ -402,7 +400,7 @@ class MegatronStrategy(ParallelStrategy):
         return {}   # save_checkpoint writes the parameters shard by shard
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if checkpoint.get(_SHARDED_KEY):
+        if loaded_in_place(checkpoint):
             return   # load_checkpoint already read every shard into place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.gradients is not None:
@@ -412,39 +410,23 @@ class MegatronStrategy(ParallelStrategy):
         return {}   # save_checkpoint writes the optimizer state shard by shard
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not checkpoint.get(_SHARDED_KEY):
+        if not loaded_in_place(checkpoint):
             raise ValueError("the megatron strategy loads its own sharded checkpoint folders (load_checkpoint) only.")
-        # load_checkpoint already read every optimizer's state into place
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A sharded folder written by every rank, with or without the distributed optimizer; it resumes at
         any layout."""
-        path = self.broadcast(str(filepath))
-        checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
-        save_sharded(path, [self.lightning_module], self._checkpoint_optimizers(saving=True), extra_state=checkpoint,
-                     rank_state=capture_rng_state(self._state().rng_tracker))
+        save_trainer_checkpoint(self.broadcast(str(filepath)), checkpoint, [self.lightning_module],
+                                self._checkpoint_optimizers(saving=True), self._state().rng_tracker)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """A sharded folder (from any layout, with or without the distributed optimizer), read into place."""
-        return self._load_sharded(str(self.broadcast(str(checkpoint_path))))
-
-    def _load_sharded(self, path: str) -> Dict[str, Any]:
-        """Model and (when fitting) optimizer states read shard by shard into this layout, then the
-        trainer's own state; RNG streams come back when the layout is the one that saved them."""
+        """A sharded folder (from any layout, with or without the distributed optimizer), read into place;
+        optimizer states only when fitting."""
         trainer = self.lightning_module.trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        optimizers = self._checkpoint_optimizers(saving=False) if fitting else None
-        extra = load_sharded(path, [self.lightning_module], optimizers,
-                             strict=self.lightning_module.strict_loading) or {}
-        rng = load_rank_state(path)
-        if rng is not None:
-            restore_rng_state(rng, self._state().rng_tracker)
-        extra = dict(extra)
-        extra[_SHARDED_KEY] = True
-        extra.setdefault("state_dict", {})
-        extra["optimizer_states"] = [{} for _ in self.optimizers] if fitting else []
-        return extra
+        return load_trainer_checkpoint(str(self.broadcast(str(checkpoint_path))), [self.lightning_module],
+                                       self._checkpoint_optimizers(saving=False) if fitting else None,
+                                       self._state().rng_tracker, strict=self.lightning_module.strict_loading)
 
     def _raw_optimizers(self) -> List[Any]:
         return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
@@ -457,11 +439,7 @@ class MegatronStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            remove_checkpoint_path(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         """A run that failed before its step engine existed (configure_model, setup) leaves no half-built
@@ -487,8 +465,6 @@ class MegatronStrategy(ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls,
                                    description="Megatron-style tensor/pipeline/data/context/expert parallelism")
 
-
-_SHARDED_KEY = "megatron_sharded"
 
 
 def _extract_loss(out: Any) -> torch.Tensor:
