@@ -45,9 +45,11 @@ def _check_every_group(layouts):
         assert state.is_pipeline_first_stage(ignore_virtual=True) == (rank == pp[0])
         assert state.is_pipeline_last_stage(ignore_virtual=True) == (rank == pp[-1])
         if state.virtual_pipeline_size:
-            state.set_virtual_pipeline_rank(1)
-            assert not state.is_pipeline_first_stage()
-            assert state.is_pipeline_last_stage() == (rank == pp[-1])
+            with state.running_chunk(1):
+                assert state.virtual_pipeline_rank == 1
+                assert not state.is_pipeline_first_stage()
+                assert state.is_pipeline_last_stage() == (rank == pp[-1])
+            assert state.virtual_pipeline_rank == 0 and state.is_pipeline_first_stage() == (rank == pp[0])
         assert state.in_embedding_group == (rank in (pp[0], pp[-1]))
         report.append((kwargs, state.coords))
         state.destroy()

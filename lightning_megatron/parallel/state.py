@@ -7,8 +7,10 @@ several names (``tp-cp`` is ``tp`` when cp=1) become one process group.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -55,7 +57,6 @@ class ParallelState:
         self.world_size = world
         self.coords: Dict[str, int] = layout.coords(self.rank)
         self.virtual_pipeline_size = virtual_pipeline_size
-        self.virtual_pipeline_rank: Optional[int] = 0 if virtual_pipeline_size else None
         from ..tensor_parallel.random import RNGStatesTracker, seed_tracker  # runtime: no package cycle
 
         # Named generator states (seed 002 appendix B.2) live as long as the groups do; seeded
@@ -171,12 +172,24 @@ class ParallelState:
         ranks = self.ranks("pp")
         return ranks[(self.pp_rank - 1) % len(ranks)]
 
-    def set_virtual_pipeline_rank(self, rank: int) -> None:
+    @property
+    def virtual_pipeline_rank(self) -> Optional[int]:
+        """The chunk the schedule is running (``running_chunk``); None without virtual stages."""
+        return _RUNNING_CHUNK.get() if self.virtual_pipeline_size else None
+
+    @contextlib.contextmanager
+    def running_chunk(self, vp_rank: int) -> Iterator[None]:
+        """Inside, ``VirtualChunks`` and ``is_pipeline_first/last_stage()`` see local chunk ``vp_rank``. The
+        chunk is step context (a context variable), not part of the state: the groups stay immutable."""
         if not self.virtual_pipeline_size:
-            raise ValueError("set_virtual_pipeline_rank needs virtual_pipeline_size to be set.")
-        if not 0 <= rank < self.virtual_pipeline_size:
-            raise ValueError(f"virtual pipeline rank must be in [0, {self.virtual_pipeline_size}), got {rank}.")
-        self.virtual_pipeline_rank = rank
+            raise ValueError("running_chunk needs virtual_pipeline_size to be set.")
+        if not 0 <= vp_rank < self.virtual_pipeline_size:
+            raise ValueError(f"virtual pipeline rank must be in [0, {self.virtual_pipeline_size}), got {vp_rank}.")
+        token = _RUNNING_CHUNK.set(vp_rank)
+        try:
+            yield
+        finally:
+            _RUNNING_CHUNK.reset(token)
 
     @property
     def in_embedding_group(self) -> bool:
@@ -214,6 +227,7 @@ class ParallelState:
 
 
 _ACTIVE: Optional[ParallelState] = None
+_RUNNING_CHUNK: contextvars.ContextVar[int] = contextvars.ContextVar("running_chunk", default=0)
 
 
 def get_parallel_state() -> ParallelState:

@@ -15,7 +15,7 @@ class VirtualChunks(nn.Module):
 
     With interleaved pipelining each rank holds several non-adjacent pieces of the model
     (seed 000: stage 0 holds layers [0, 1] and [4, 5] of 8). The schedule sets the active
-    ``virtual_pipeline_rank`` before each step; ``forward`` and ``set_input_tensor`` follow it.
+    chunk it runs (``ParallelState.running_chunk``); ``forward`` and ``set_input_tensor`` follow it.
     Without virtual stages this holds one chunk and behaves like it.
     """
 

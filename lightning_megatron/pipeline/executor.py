@@ -26,7 +26,7 @@ shape (Megatron bypasses that check with a private engine call instead).
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence,
                     Tuple, Union)
@@ -124,7 +124,8 @@ def forward_backward(forward_step_fn: ForwardStepFn,
                pp_size, forward_only, m if num_tokens is None else num_tokens)
     steps = [r.step for r in plan if r.step is not None]
     sync_from = len(steps) - (2 if pp_size == 1 else 1)  # last micro-batch / final backward
-    with ExitStack() as deferred, _virtual_ranks(state, len(chunks)) as set_virtual_rank:
+    running_chunk = _running_chunk(state, len(chunks))
+    with ExitStack() as deferred:
         if no_sync is not None and not forward_only:
             deferred.enter_context(no_sync())
         done = 0
@@ -133,8 +134,8 @@ def forward_backward(forward_step_fn: ForwardStepFn,
             if rnd.step is not None:
                 if done == sync_from:
                     deferred.close()
-                set_virtual_rank(rnd.step.chunk)
-                sent = run.step(rnd.step)
+                with running_chunk(rnd.step.chunk):
+                    sent = run.step(rnd.step)
                 done += 1
             if rnd.communicates:
                 assert comm is not None, "comm_plan asked a single stage to communicate"
@@ -235,19 +236,12 @@ class _Run:
             out.loss = torch.stack(out.losses).sum() / self.denominator
 
 
-@contextmanager
-def _virtual_ranks(state: Optional[ParallelState],
-                   num_chunks: int) -> Iterator[Callable[[int], None]]:
-    """Yield a setter that lets models ask ``ParallelState.is_pipeline_first_stage()`` per chunk
-    (when the state has one virtual rank per chunk); the state's virtual rank is restored after."""
+def _running_chunk(state: Optional[ParallelState], num_chunks: int) -> Callable[[int], ContextManager[None]]:
+    """What each step runs under so models see its chunk (``ParallelState.running_chunk``) when the
+    state has one virtual rank per chunk."""
     if state is None or state.virtual_pipeline_size != num_chunks:
-        yield lambda chunk: None
-        return
-    before = state.virtual_pipeline_rank
-    try:
-        yield state.set_virtual_pipeline_rank
-    finally:
-        state.virtual_pipeline_rank = before
+        return lambda chunk: nullcontext()
+    return state.running_chunk
 
 
 class _Microbatches:
