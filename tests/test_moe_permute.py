@@ -127,3 +127,23 @@ def test_gather_permutation_backward_is_the_inverse_gather():
     y.backward(g)
     assert torch.equal(y, x.detach()[index])
     assert torch.equal(x.grad, torch.zeros(9, 3).index_add(0, index, g))
+
+
+def test_kernel_switch_and_cpu_fallback(monkeypatch):
+    """CPU tensors always take the torch path (no token lists), whatever the switch says; the switch and
+    ``LM_MOE_PERMUTE_KERNELS=0`` turn the kernels off where they would run."""
+    from lightning_megatron.moe import permute_indexed, permute_kernels
+
+    with permute_kernels.kernels_enabled(False):
+        assert not permute_kernels.enabled()
+    with permute_kernels.kernels_enabled(True):
+        assert permute_kernels.enabled() == (permute_kernels.triton is not None)
+        routing_map = _routing(10, 4, 2, seed=7)
+        x = torch.randn(10, 3)
+        rows, slots, token_rows = permute_indexed(x, routing_map, 20)
+        assert token_rows is None
+        assert torch.equal(rows, permute(x, routing_map, 20)[0])
+        out = unpermute(rows, slots, 10, token_rows=torch.zeros(10, 4, dtype=torch.long))   # ignored on the CPU
+        assert torch.equal(out, unpermute(rows, slots, 10))
+    monkeypatch.setenv(permute_kernels.ENV, "0")
+    assert not permute_kernels.enabled()

@@ -25,7 +25,7 @@ from .echo import (
 from .experts import GroupedMLP, SharedExpertMLP, grouped_mm_available
 from .groups import MoEGroups
 from .layer import MoEConfig, MoELayer
-from .permute import permute, permute_per_token, permute_probs, unpermute, unpermute_per_token
+from .permute import permute, permute_indexed, permute_per_token, permute_probs, unpermute, unpermute_per_token
 from .router import TopKRouter, update_expert_biases
 from .routing import apply_capacity, expert_capacity, group_limited_topk, topk_routing
 from .spare_weights import weights_with_spare_slots
@@ -50,6 +50,6 @@ __all__ = [
     "AttachAuxLoss", "switch_load_balancing_loss", "sequence_load_balancing_loss", "z_loss",
     "set_aux_loss_scale", "collect_aux_losses",
     "TokenDispatcher", "AllToAllTokenDispatcher", "AllGatherTokenDispatcher", "DispatchMetadata",
-    "build_dispatcher", "permute", "permute_probs", "unpermute", "permute_per_token", "unpermute_per_token",
+    "build_dispatcher", "permute", "permute_indexed", "permute_probs", "unpermute", "permute_per_token", "unpermute_per_token",
     "GroupedMLP", "SharedExpertMLP", "grouped_mm_available",
 ]

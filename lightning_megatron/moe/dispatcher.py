@@ -31,8 +31,8 @@ from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, all_to_all, gather_rows, group_rank, group_size, reduce_scatter_rows
 from .groups import MoEGroups
 from .permute import (
-    chunk_sort_index, gather_permutation, inverse_permutation, permute, permute_per_token, permute_probs, unpermute,
-    unpermute_per_token,
+    chunk_sort_index, gather_permutation, inverse_permutation, permute_indexed, permute_per_token, permute_probs,
+    unpermute, unpermute_per_token,
 )
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -46,7 +46,7 @@ class DispatchMetadata:
     """
 
     TENSOR_FIELDS = ("routing_map", "slots", "counts", "tokens_per_expert", "sort_index", "spare_homes",
-                     "token_order")
+                     "token_order", "token_rows")
 
     num_tokens: int = 0                       # tokens routed on this rank
     num_out: int = 0                          # rows permuted on this rank
@@ -62,6 +62,7 @@ class DispatchMetadata:
     splits: Optional[Dict[str, List[int]]] = None  # host row counts of the collectives
     spare_homes: Optional[Tensor] = None      # ECHO: [ep·k] home expert of each spare slot (-1 unused)
     token_order: Optional[Tensor] = None      # dropless top-k: the T·k rows listed token by token
+    token_rows: Optional[Tensor] = None       # permute kernels: [T, E] each token's rows, -1 after the last
 
     def tensors(self) -> Dict[str, Tensor]:
         """The tensor fields that are set (what a partial CUDA graph must output)."""
@@ -128,13 +129,14 @@ class AllToAllTokenDispatcher(TokenDispatcher):
                    dropless: bool = True) -> Tuple[Tensor, Tensor]:
         num_tokens = hidden.shape[0]
         num_out = self._num_routed(routing_map, num_tokens, capacity, dropless, self.num_experts, 1)
-        token_order = None
+        token_order = token_rows = None
         if capacity is None and dropless and num_out == num_tokens * self.topk:   # exactly k rows per token
             rows, slots, token_order = permute_per_token(hidden, routing_map, self.topk)
         else:
-            rows, slots = permute(hidden, routing_map, num_out)
+            rows, slots, token_rows = permute_indexed(hidden, routing_map, num_out)
         meta = DispatchMetadata(num_tokens=num_tokens, num_out=num_out, capacity=capacity, dropless=dropless,
-                                dtype=hidden.dtype, routing_map=routing_map, slots=slots, token_order=token_order)
+                                dtype=hidden.dtype, routing_map=routing_map, slots=slots, token_order=token_order,
+                                token_rows=token_rows)
         sources = self.ep_size * self.etp_size
         if capacity is not None:
             meta.rows_per_expert = sources * capacity
@@ -190,7 +192,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if m.token_order is not None:
             out = unpermute_per_token(y, m.token_order, m.num_tokens, self._row_probs, out_dtype=m.dtype)
         else:
-            out = unpermute(y, m.slots, m.num_tokens, self._row_probs, out_dtype=m.dtype)
+            out = unpermute(y, m.slots, m.num_tokens, self._row_probs, out_dtype=m.dtype, token_rows=m.token_rows)
         self._row_probs = None
         return out
 
@@ -217,7 +219,7 @@ class AllGatherTokenDispatcher(TokenDispatcher):
         local_map = routing_map[:, self.local_experts]
         m.num_out = self._num_routed(local_map, hidden.shape[0], m.capacity, m.dropless,
                                      self.num_local_experts, sources)
-        rows, m.slots = permute(hidden, local_map, m.num_out)
+        rows, m.slots, m.token_rows = permute_indexed(hidden, local_map, m.num_out)
         self._row_probs = permute_probs(probs[:, self.local_experts], m.slots)
         if m.capacity is not None:
             m.rows_per_expert = sources * m.capacity
@@ -230,7 +232,8 @@ class AllGatherTokenDispatcher(TokenDispatcher):
     def combine(self, expert_output: Tensor) -> Tensor:
         m, group = self.meta, self.groups.tp_ep
         num_gathered = m.num_tokens * group_size(group)
-        out = unpermute(expert_output, m.slots, num_gathered, self._row_probs, out_dtype=m.dtype)
+        out = unpermute(expert_output, m.slots, num_gathered, self._row_probs, out_dtype=m.dtype,
+                        token_rows=m.token_rows)
         self._row_probs = None
         if group_size(group) > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, group)

@@ -7,6 +7,10 @@ are ``index_select``/``index_add`` pairs, conjugate to each other, so values and
 restored exactly (a token routed to k experts gets the sum of its k rows).
 
 No host sync: the number of rows is passed in (``T·k`` when dropless, ``E·capacity`` when padded).
+
+On CUDA with Triton, ``permute``/``permute_indexed``/``permute_per_token`` and the un-permutations given the
+token lists they return run fused kernels (``permute_kernels``): the same rows and slots, float32 sums
+without atomics. Everything else, and ``LM_MOE_PERMUTE_KERNELS=0``, takes the torch code below.
 """
 
 from __future__ import annotations
@@ -31,10 +35,31 @@ def routed_slots(routing_map: Tensor, num_out: int) -> Tensor:
     return slots[:num_out]
 
 
+def _kernels(x: Tensor, routing_map: Optional[Tensor] = None, num_out: int = 1):
+    """The Triton kernels' module when it takes these tensors (CUDA, Triton, switched on), else None."""
+    if not x.is_cuda or x.shape[0] == 0 or num_out == 0:
+        return None
+    from . import permute_kernels
+    if not permute_kernels.enabled():
+        return None
+    if routing_map is not None and not 0 < routing_map.shape[1] <= permute_kernels.MAX_COLUMNS:
+        return None
+    return permute_kernels
+
+
 def permute(tokens: Tensor, routing_map: Tensor, num_out: int) -> tuple[Tensor, Tensor]:
     """Rows of ``tokens [T, H]`` for every routed slot, grouped by expert. Returns (rows, slots)."""
+    return permute_indexed(tokens, routing_map, num_out)[:2]
+
+
+def permute_indexed(tokens: Tensor, routing_map: Tensor, num_out: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``permute`` plus each token's rows (``token_rows [T, E]``, ``-1`` after the last) when the kernels ran,
+    else None: passed to ``unpermute`` it lets the kernel add each token's rows without atomics."""
+    kernels = _kernels(tokens, routing_map, num_out)
+    if kernels is not None:
+        return kernels.permute(tokens, routing_map, num_out)
     slots = routed_slots(routing_map, num_out)
-    return tokens.index_select(0, slots % routing_map.shape[0]), slots
+    return tokens.index_select(0, slots % routing_map.shape[0]), slots, None
 
 
 def permute_probs(probs: Tensor, slots: Tensor) -> Tensor:
@@ -43,11 +68,17 @@ def permute_probs(probs: Tensor, slots: Tensor) -> Tensor:
 
 
 def unpermute(rows: Tensor, slots: Tensor, num_tokens: int, probs: Optional[Tensor] = None,
-              out_dtype: Optional[torch.dtype] = None) -> Tensor:
+              out_dtype: Optional[torch.dtype] = None, token_rows: Optional[Tensor] = None) -> Tensor:
     """Sum the rows back into their tokens, each weighted by its probability when given: ``[T, H]``.
 
     Accumulates in float32 when ``probs`` are float32 (router precision), then casts to ``out_dtype``.
+    ``token_rows`` (from ``permute_indexed``) selects the kernel on CUDA; without it, ``index_add``.
     """
+    if token_rows is not None and _kernels(rows) is not None:
+        if token_rows.shape[0] != num_tokens:
+            raise ValueError(f"token_rows lists {token_rows.shape[0]} tokens, num_tokens={num_tokens}.")
+        from .permute_kernels import unpermute as unpermute_kernel
+        return unpermute_kernel(rows, token_rows, slots, probs, out_dtype)
     if probs is not None:
         rows = rows.to(torch.promote_types(rows.dtype, probs.dtype)) * probs.unsqueeze(-1)
     out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
@@ -127,6 +158,10 @@ def permute_per_token(tokens: Tensor, routing_map: Tensor, k: int) -> tuple[Tens
     (experts ascending within a token), which ``unpermute_per_token`` and the backward use.
     """
     num_tokens = routing_map.shape[0]
+    kernels = _kernels(tokens, routing_map, num_tokens * k)
+    if kernels is not None:
+        rows, slots, token_rows = kernels.permute(tokens, routing_map, num_tokens * k, topk=k)
+        return rows, slots, token_rows.view(-1)
     slots = routed_slots(routing_map, num_tokens * k)
     source = slots % num_tokens
     token_order = torch.argsort(source, stable=True)
@@ -141,6 +176,9 @@ def unpermute_per_token(rows: Tensor, token_order: Tensor, num_tokens: int, prob
     the probabilities' float32), so no float32 copy of the rows is made or kept for the backward.
     """
     k = rows.shape[0] // num_tokens
+    if _kernels(rows) is not None:
+        from .permute_kernels import unpermute as unpermute_kernel
+        return unpermute_kernel(rows, token_order.view(num_tokens, k), None, probs, out_dtype)
     inverse = inverse_permutation(token_order)
     grouped = gather_permutation(rows, token_order, inverse).view((num_tokens, k) + tuple(rows.shape[1:]))
     if probs is not None:
