@@ -24,6 +24,28 @@ class TokenData(Dataset):
         return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
 
 
+class PackedTokenData(TokenData):
+    """Rows of several documents (1 to 5 tokens, padding at some rows' ends): ``position_ids`` restart per
+    document, ``document_ids`` 0, 1, ... per row and -1 on padding (``corpus.PackedDocuments``' format)."""
+
+    def __init__(self, n=64, seed=0):
+        super().__init__(n, seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.documents = torch.full((n, SEQ), -1, dtype=torch.long)
+        self.positions = torch.zeros(n, SEQ, dtype=torch.long)
+        for row in range(n):
+            at, doc = 0, 0
+            fill = SEQ - int(torch.randint(0, 3, (), generator=gen))   # 0 to 2 tokens of padding
+            while at < fill:
+                length = min(int(torch.randint(1, 6, (), generator=gen)), fill - at)
+                self.documents[row, at:at + length] = doc
+                self.positions[row, at:at + length] = torch.arange(length)
+                at, doc = at + length, doc + 1
+
+    def __getitem__(self, i):
+        return dict(super().__getitem__(i), position_ids=self.positions[i], document_ids=self.documents[i])
+
+
 class TinyGPT(L.LightningModule):
     def __init__(self, layers=4, lr=2.0, dropout=0.0, **config):
         super().__init__()
@@ -56,8 +78,10 @@ class TinyGPT(L.LightningModule):
 
 
 def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwargs=None, module_kwargs=None,
-                 val_dataloader=None, checkpoint_to=None, resume_from=None, module_cls=None, dataset_size=64):
-    """Train on every rank of the harness world (the global batch split over data-parallel ranks)."""
+                 val_dataloader=None, checkpoint_to=None, resume_from=None, module_cls=None, dataset_size=64,
+                 dataset=None):
+    """Train on every rank of the harness world (the global batch split over data-parallel ranks);
+    ``dataset``: instead of ``TokenData(n=dataset_size)``."""
     world = int(__import__("os").environ["WORLD_SIZE"])
     model_parallel = strategy_kwargs.get("tensor_model_parallel_size", 1) * strategy_kwargs.get(
         "pipeline_model_parallel_size", 1) * strategy_kwargs.get("context_parallel_size", 1)
@@ -68,8 +92,8 @@ def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwar
                    enable_model_summary=False, num_sanity_val_steps=0)
     options.update(trainer_kwargs or {})
     trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world, **options)
-    trainer.fit(module, DataLoader(TokenData(n=dataset_size), batch_size=batch_size, shuffle=False), val_dataloader,
-                ckpt_path=resume_from)
+    data = dataset if dataset is not None else TokenData(n=dataset_size)
+    trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=False), val_dataloader, ckpt_path=resume_from)
     if checkpoint_to is not None:
         trainer.save_checkpoint(checkpoint_to)
     return {"losses": module.step_losses, "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -4,7 +4,9 @@ variant) train under the strategy exactly as in one process, parameter by parame
 key/value heads split over tp and shared by tp ranks (tp4 > 2 kv heads: the shared heads' gradients
 must be summed), rotary angles under sequence parallelism and at the load-balanced context-parallel
 positions, the untied output layer over pipeline stages, and Mixtral's experts over ep/etp (its ep2 run
-is also data-parallel: dp2 for the attention weights Llama and Mixtral share).
+is also data-parallel: dp2 for the attention weights Llama and Mixtral share). Packed rows (several
+documents per row: positions restarting, attention within each document) train the same too, the
+documents' ids split with the sequence under cp and travelling with the keys.
 """
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from lightning_megatron.models.llama import LlamaModel, llama_config, mixtral_config
 from lightning_megatron.pipeline import VirtualChunks
 from lightning_megatron.testing import run_on_ranks
-from strategy_utils import SEQ, VOCAB, AuxLoggingGPT, TinyGPT, assert_same_updates, fit_and_record
+from strategy_utils import SEQ, VOCAB, AuxLoggingGPT, PackedTokenData, TinyGPT, assert_same_updates, fit_and_record
 
 
 class TinyLlama(TinyGPT):
@@ -32,12 +34,26 @@ class TinyMixtral(AuxLoggingGPT, TinyLlama):
     mixtral = True
 
 
+class PackedLlama(TinyLlama):
+    """Trained on ``PackedTokenData``: every stage's model gets the micro-batch's positions and documents."""
+
+    def forward(self, batch):
+        return self.model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                          document_ids=batch["document_ids"])
+
+
 LLAMA = {
     "cp2": (2, dict(context_parallel_size=2)),
     "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, micro_batch_size=2)),
     "tp4": (4, dict(tensor_model_parallel_size=4)),                             # each kv head on 2 ranks
     "tp2cp2sp": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2,   # 1 kv head per tp rank
                          sequence_parallel=True)),
+}
+PACKED = {
+    "packed-tp2sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "packed-pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               micro_batch_size=2)),
+    "packed-cp2": (2, dict(context_parallel_size=2)),
 }
 # the MoE machinery's own layouts (cp, pp, dp, buffers, ...) are test_strategy_updates.py's
 MIXTRAL = {
@@ -49,6 +65,11 @@ MIXTRAL = {
 @pytest.fixture(scope="module")
 def llama_reference():
     return run_on_ranks(fit_and_record, 1, dict(), module_cls=TinyLlama, timeout=120)[0]
+
+
+@pytest.fixture(scope="module")
+def packed_reference():
+    return run_on_ranks(fit_and_record, 1, dict(), module_cls=PackedLlama, dataset=PackedTokenData(), timeout=120)[0]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +87,15 @@ def test_llama_updates_match_single_process(llama_reference, name):
             "model.output_weight"} <= out[0]["params"][0].keys()
     for rank_out in out:
         assert rank_out["losses"] == pytest.approx(llama_reference["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_llama_updates_match_single_process(packed_reference, name):
+    world, kwargs = PACKED[name]
+    out = run_on_ranks(fit_and_record, world, kwargs, module_cls=PackedLlama, dataset=PackedTokenData(), timeout=240)
+    assert_same_updates(out[0]["params"], packed_reference["params"])
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(packed_reference["losses"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("name", list(MIXTRAL))

@@ -377,6 +377,10 @@ def _check_layer(layer: nn.Module) -> None:
                              "shared pool already bounds activation memory by the micro-batches in flight).")
 
 
+# per-call layer inputs a graph does not take (they change every micro-batch): refused by name, never dropped
+_UNGRAPHED_INPUTS = {"position_ids": "rotary positions", "document_ids": "packed documents' attention masks"}
+
+
 def _bind(entry: Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
     """Positional arguments in ``entry.arg_names`` order (missing trailing ones are None)."""
     names = entry.arg_names
@@ -389,6 +393,11 @@ def _bind(entry: Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[
         raise CudaGraphError(f"{entry.piece.name}: {len(args)} positional arguments, expected at most {len(names)}.")
     values = list(args) + [None] * (len(names) - len(args))
     for key, value in kwargs.items():
+        if key in _UNGRAPHED_INPUTS and key not in names:
+            raise CudaGraphError(
+                f"{entry.piece.name} was called with {key} ({_UNGRAPHED_INPUTS[key]}), but per-layer CUDA graphs "
+                f"take only {list(names)}: the graph would replay the capture's attention. Use "
+                f"cuda_graph_scope=['mlp'] (attention runs eagerly) or cuda_graph=None with {key}.")
         if key not in names[len(args):]:
             raise CudaGraphError(f"{entry.piece.name}: unexpected argument {key!r} (takes {list(names)}).")
         values[names.index(key)] = value

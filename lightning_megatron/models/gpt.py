@@ -15,6 +15,7 @@ from ..pipeline.stack import chunk_position
 from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig
+from ..tensor_parallel.fused_cross_entropy import parallel_linear_cross_entropy
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
 
 
@@ -27,6 +28,13 @@ class GPTModel(nn.Module):
     ``set_input_tensor`` (the pipeline executor's hand-over). Under context parallelism every
     ``[b, s]`` input is this rank's ``split_for_context_parallel`` slice, the loss covers this
     rank's tokens, and ``context_parallel_loss_mean`` turns it into the mean over all of them.
+    Packed rows: ``position_ids`` restarting per document and ``document_ids [b, s]`` (0, 1, ... per
+    document, -1 on padding; ``corpus.PackedDocuments``), which keep attention inside each document.
+
+    ``cross_entropy_chunk_size``: with labels, compute the loss fused with the output layer over
+    chunks of that many tokens (``tensor_parallel.fused_cross_entropy``), so the float32
+    ``[s, b, V/tp]`` logits are never whole in the forward or the backward (several GB at large
+    vocabularies); None (default) computes the logits whole, then the loss.
     """
 
     # the last stage's copy of the tied table is this weight in the single-process model
@@ -34,7 +42,8 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  vp_rank: int = 0, tie_word_embeddings: bool = True, label_smoothing: float = 0.0,
-                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
+                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
+                 cross_entropy_chunk_size: Optional[int] = None) -> None:
         super().__init__()
         if config.attn_mask_type != "causal":
             raise ValueError("GPTModel needs TransformerConfig(attn_mask_type='causal').")
@@ -44,6 +53,11 @@ class GPTModel(nn.Module):
         self.max_sequence_length, self.tie_word_embeddings = max_sequence_length, tie_word_embeddings
         self.padded_vocab_size = pad_vocab_size(vocab_size, get_parallel_state().tp_size)
         self.label_smoothing = label_smoothing
+        if cross_entropy_chunk_size is not None and (isinstance(cross_entropy_chunk_size, bool) or not isinstance(
+                cross_entropy_chunk_size, int) or cross_entropy_chunk_size < 1):
+            raise ValueError(f"GPTModel cross_entropy_chunk_size must be a positive number of tokens or None (the "
+                             f"unfused loss), got {cross_entropy_chunk_size!r}.")
+        self.cross_entropy_chunk_size = cross_entropy_chunk_size
         self.pre_process, self.post_process = chunk_position(vp_rank)
         self.input_tensor: Optional[torch.Tensor] = None
 
@@ -64,18 +78,23 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         else:
             hidden = self.input_tensor
-        if position_ids is not None and self.config.position_embedding_type == "rope":
-            hidden = self.decoder(hidden, attention_mask, position_ids)   # rotary angles in every layer
-        else:
-            hidden = self.decoder(hidden, attention_mask)
+        # every stage gets the micro-batch's position_ids (rotary angles) and document_ids (packed rows'
+        # attention masks) from the caller, as it gets input_ids: nothing extra travels between stages
+        rotary_positions = position_ids if self.config.position_embedding_type == "rope" else None
+        hidden = self.decoder(hidden, attention_mask, rotary_positions, document_ids)
         if not self.post_process:
             return hidden
         weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
+        if labels is not None and self.cross_entropy_chunk_size is not None:   # logits never whole: fused, chunked
+            return parallel_linear_cross_entropy(
+                hidden, weight, labels.t(), self.config.sequence_parallel, label_smoothing=self.label_smoothing,
+                vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size).t()
         logits = parallel_logits(hidden, weight, self.config.sequence_parallel)          # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

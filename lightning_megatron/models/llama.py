@@ -59,8 +59,9 @@ class LlamaModel(GPTModel):
     """A ``GPTModel`` with a Llama configuration (``llama_config`` / ``mixtral_config`` /
     ``hf_llama.config_from_hf``) and, by default, its own output layer.
 
-    ``forward(input_ids, position_ids=None, attention_mask=None, labels=None)`` as ``GPTModel``;
-    ``position_ids`` (this context-parallel rank's slice) only change the rotary angles.
+    ``forward(input_ids, position_ids=None, attention_mask=None, labels=None, document_ids=None)`` as
+    ``GPTModel``; ``position_ids`` (this context-parallel rank's slice) only change the rotary angles,
+    ``document_ids`` (packed rows) keep attention inside each document.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, vp_rank: int = 0,

@@ -27,9 +27,12 @@ class GPTPretraining(L.LightningModule):
                  num_attention_heads: int = 4, ffn_hidden_size: Optional[int] = None, dropout: float = 0.0,
                  activation: str = "gelu", normalization: str = "LayerNorm", sequence_parallel: bool = False,
                  lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10,
-                 init_seed: int = 1234, moe: Optional[MoEConfig] = None, moe_layer_freq: int = 1) -> None:
+                 init_seed: int = 1234, moe: Optional[MoEConfig] = None, moe_layer_freq: int = 1,
+                 cross_entropy_chunk_size: Optional[int] = None) -> None:
         """``moe``: make every ``moe_layer_freq``-th MLP a mixture of experts (its ``hidden_size`` must
-        equal ``hidden_size``); the strategy's ``expert_model_parallel_size`` spreads the experts."""
+        equal ``hidden_size``); the strategy's ``expert_model_parallel_size`` spreads the experts.
+        ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a
+        time, so the float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
         super().__init__()
         self.save_hyperparameters()
         self._flops_per_sequence: Dict[int, int] = {}
@@ -39,7 +42,8 @@ class GPTPretraining(L.LightningModule):
             return
         h = self.hparams
         config = self.transformer_config()
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank))
+        self.model = VirtualChunks(lambda vp_rank: GPTModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank,
+                                                            cross_entropy_chunk_size=h.cross_entropy_chunk_size))
 
     def transformer_config(self) -> TransformerConfig:
         h = self.hparams

@@ -19,13 +19,15 @@ IGNORE_INDEX = -100
 class LlamaPretraining(L.LightningModule):
     """Next-token prediction with ``LlamaModel``; the loss is the mean over the tokens that have a label
     (packed rows mark padding and document ends with -100). Hyper-parameters are LightningCLI arguments;
-    ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``."""
+    ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``.
+    ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a time, so the
+    float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
 
     def __init__(self, vocab_size: int = 512, seq_length: int = 128, num_layers: int = 4, hidden_size: int = 64,
                  num_attention_heads: int = 4, num_query_groups: Optional[int] = 2,
                  ffn_hidden_size: Optional[int] = None, rotary_base: float = 10000.0,
                  sequence_parallel: bool = False, lr: float = 3e-3, min_lr: float = 3e-4, weight_decay: float = 0.01,
-                 warmup_steps: int = 10, init_seed: int = 1234) -> None:
+                 warmup_steps: int = 10, init_seed: int = 1234, cross_entropy_chunk_size: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self._flops_per_sequence: Dict[int, int] = {}
@@ -40,7 +42,8 @@ class LlamaPretraining(L.LightningModule):
         if hasattr(self, "model"):
             return
         config, h = self.transformer_config(), self.hparams
-        self.model = VirtualChunks(lambda vp_rank: LlamaModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank))
+        self.model = VirtualChunks(lambda vp_rank: LlamaModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank,
+                                                              cross_entropy_chunk_size=h.cross_entropy_chunk_size))
 
     def training_flops(self, batch: dict) -> int:
         """Model FLOPs of one forward and backward pass over ``batch`` (for ``MegatronThroughputMonitor``)."""
@@ -52,8 +55,10 @@ class LlamaPretraining(L.LightningModule):
         return b * per_sequence
 
     def forward(self, batch: dict) -> torch.Tensor:
-        """Per-token losses ``[b, s]`` (0 where the label is -100)."""
-        return self.model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"])
+        """Per-token losses ``[b, s]`` (0 where the label is -100). Packed rows (``PretrainingData(packed=True)``)
+        bring ``position_ids`` restarting per document and ``document_ids``: attention stays in each document."""
+        return self.model(batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"],
+                          document_ids=batch.get("document_ids"))
 
     def _loss(self, batch: dict) -> torch.Tensor:
         counted = (batch["labels"] != IGNORE_INDEX).float()

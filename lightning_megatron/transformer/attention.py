@@ -18,12 +18,15 @@ step. Both projections read one copy of the input (one sequence-parallel all-gat
 
 Rotary embeddings (``position_embedding_type="rope"``) rotate queries and keys here, on the whole
 (context-parallel local) sequence, at the tokens' global positions; see ``rotary.py``.
+
+Packed rows (``document_ids [b, s]``): attention stays inside each document; ``documents.py`` holds the
+kernels (FlexAttention on CUDA, boolean-mask SDPA elsewhere and with dropout).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_meth
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
+from .documents import DocumentMask, document_attention
 from .rotary import RotaryEmbedding, apply_rotary
 
 
@@ -115,11 +119,16 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None,
+                document_ids: Union[torch.Tensor, DocumentMask, None] = None) -> torch.Tensor:
         """``position_ids [b, s]``: the tokens' positions for rotary embeddings (this cp rank's slice);
-        default: their global positions."""
+        default: their global positions. ``document_ids [b, s]`` (this cp rank's slice, or the block's
+        ``DocumentMask`` of them): packed documents, which attention does not cross."""
         q, k, v = self._project(hidden)
         b, s = q.shape[0], q.shape[2]
+        documents = None if document_ids is None else DocumentMask.of(document_ids)
+        if documents is not None:   # before any collective: a wrong shape is the caller's, on every rank
+            documents.check(b, s)
         if self.rotary is not None:
             cos, sin = self.rotary(s, q.device, q.dtype, position_ids)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -132,15 +141,20 @@ class SelfAttention(nn.Module):
                              "sliding-window attention is not implemented; use sequences of at most that length.")
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
             rng = context_parallel_rng_fork(state.rng_tracker, state.cp_rank) if dropout > 0 else None
-            context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng)
+            context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng,
+                                                 documents)
         else:
-            mask = attention_bias(attention_mask, causal, s, hidden.device)
             # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
             # sequence parallelism the whole block already runs on the tp-rank generator
             forked = dropout > 0 and not self.config.sequence_parallel
             with state.rng_tracker.fork() if forked else contextlib.nullcontext():
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                         is_causal=causal and mask is None,
-                                                         enable_gqa=k.shape[1] != q.shape[1])
+                if documents is not None:
+                    context = document_attention(q, k, v, documents, causal, dropout, attention_mask,
+                                                 kernel=self.config.document_attention)
+                else:
+                    mask = attention_bias(attention_mask, causal, s, hidden.device)
+                    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                             is_causal=causal and mask is None,
+                                                             enable_gqa=k.shape[1] != q.shape[1])
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(context)

@@ -12,7 +12,8 @@ from ..parallel import get_parallel_state
 from ..pipeline.stack import build_stage_layers, chunk_position
 from ..tensor_parallel import checkpoint
 from .config import TransformerConfig, with_strategy_defaults
-from .layer import TransformerLayer
+from .documents import DocumentMask
+from .layer import TransformerLayer, given
 from .norm import build_norm
 
 
@@ -37,18 +38,23 @@ class TransformerBlock(nn.Module):
         self.final_norm = build_norm(config) if config.layernorm_order == "pre" and is_last else None
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``position_ids [b, s]`` (rotary embeddings only): positions other than the tokens' global ones."""
+                position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids [b, s]`` (rotary embeddings only): positions other than the tokens' global ones.
+        ``document_ids [b, s]``: packed documents (0, 1, ... per row, -1 on padding), which attention does
+        not cross; their masks are built once here for all layers (``DocumentMask``)."""
         rng = (get_parallel_state().rng_tracker.fork() if self.config.sequence_parallel and self.training
                else contextlib.nullcontext())
-        # layers are called as (hidden, mask) unless positions are given: per-layer CUDA graphs wrap that call
-        args = (attention_mask,) if position_ids is None else (attention_mask, position_ids)
+        documents = None if document_ids is None else DocumentMask.of(document_ids)
+        # layers are called as (hidden, mask) plus only the inputs given, by name: per-layer CUDA graphs wrap
+        # the (hidden, mask) call and refuse the others by name
+        extra = given(position_ids=position_ids, document_ids=documents)
         with rng:
             for layer in self.layers:
                 if self.config.recompute_layers and self.training:
-                    hidden = checkpoint(layer, hidden, *args)
+                    hidden = checkpoint(layer, hidden, attention_mask, **extra)
                 else:
-                    hidden = layer(hidden, *args)
+                    hidden = layer(hidden, attention_mask, **extra)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden

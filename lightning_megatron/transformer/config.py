@@ -15,6 +15,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LAYERNORM_ORDERS = ("pre", "post")
 MASK_TYPES = ("causal", "padding")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
+DOCUMENT_ATTENTION = ("auto", "flex", "mask")   # kernels of attention within packed documents
 # rope_scaling types and the keys each one needs (Hugging Face's ``rope_parameters`` names)
 ROPE_SCALINGS = {
     "linear": ("factor",),
@@ -40,6 +41,10 @@ class TransformerConfig:
     each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3", ...}`` with Hugging
     Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: sequences
     longer than it are refused, shorter ones need no window).
+
+    ``document_attention``: the kernel of attention within packed documents (``document_ids``):
+    ``"auto"`` FlexAttention on CUDA without attention dropout and boolean-mask SDPA otherwise,
+    ``"flex"`` or ``"mask"`` to force one (see ``transformer/documents.py``).
     """
 
     num_layers: int
@@ -69,6 +74,7 @@ class TransformerConfig:
     rotary_percent: float = 1.0                    # share of each head's channels that rotate
     rope_scaling: Optional[Dict[str, Any]] = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
     sliding_window: Optional[int] = None           # longest attention span (Mistral); longer sequences refused
+    document_attention: str = "auto"               # packed rows' kernel: auto | flex | mask (documents.py)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -91,7 +97,8 @@ class TransformerConfig:
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {value}.")
         for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS),
-                              ("layernorm_order", LAYERNORM_ORDERS), ("attn_mask_type", MASK_TYPES)):
+                              ("layernorm_order", LAYERNORM_ORDERS), ("attn_mask_type", MASK_TYPES),
+                              ("document_attention", DOCUMENT_ATTENTION)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TransformerConfig.{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
         if self.init_method_std <= 0:
@@ -101,6 +108,10 @@ class TransformerConfig:
                              f"hidden_size={self.hidden_size}.")
         if self.moe_layer_freq < 1:
             raise ValueError(f"TransformerConfig.moe_layer_freq must be >= 1, got {self.moe_layer_freq}.")
+        if self.document_attention == "flex" and self.attention_dropout > 0:
+            raise ValueError(f"TransformerConfig.document_attention='flex' with attention_dropout="
+                             f"{self.attention_dropout}: FlexAttention has no dropout; use document_attention='auto' "
+                             f"or 'mask' (boolean-mask SDPA, with dropout), or attention_dropout=0.")
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
 

@@ -9,7 +9,8 @@ exchanged by one ALL-GATHER over cp per layer (not ring passing), because:
   exact gradients (the all-gather's backward is a reduce-scatter), and the CPU tests exercise the
   very code the GPUs run. A ring needs each block's log-sum-exp and a hand-written backward
   around the kernels' private entry points, whose signatures change between torch releases;
-- any mask is a mask over the gathered keys: padding, causal, both (and document masks later);
+- any mask is a mask over the gathered keys: padding, causal, documents of packed rows (their
+  ``document_ids`` are all-gathered once per forward and travel with the keys), any of them together;
 - the cost is what bounds it: attention compute grows as s², the gathered K/V as s and their
   traffic equals a ring's ((cp-1)/cp of the K/V per rank). The price is that the all-gather is
   not overlapped with compute and every rank keeps the full K/V of its heads for backward
@@ -33,7 +34,7 @@ so only dropout-free (or eval) outputs equal cp=1 outputs.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+from typing import ContextManager, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from ..context_parallel import all_gather_context_parallel, local_chunks
 from ..context_parallel.split import check_local_sequence_length
 from ..parallel import get_parallel_state
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
+from .documents import DocumentMask, chunk_document_mask, gathered_ids
 
 CONTEXT_PARALLEL_RNG = "context-parallel-rng"
 _CP_SEED_OFFSET = 1_000_003   # far from the tp (2718 + tp) and ep (1024 + 100·ep + etp) offsets
@@ -65,12 +67,15 @@ def context_parallel_rng_fork(tracker: RNGStatesTracker, cp_rank: int) -> Contex
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                attention_mask: Optional[torch.Tensor] = None, causal: bool = True,
                                dropout_p: float = 0.0, group: Optional[dist.ProcessGroup] = None,
-                               rng: Optional[ContextManager[None]] = None) -> torch.Tensor:
+                               rng: Optional[ContextManager[None]] = None,
+                               document_ids: Union[torch.Tensor, DocumentMask, None] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: ``[b, heads, s_local, d]`` each.
 
     ``attention_mask``: ``[b, s_local]``, this rank's split (1 = token, 0 = padding), or None.
     ``group``: the cp group (default: the active state's). ``rng``: entered around the kernels, for
-    dropout (``SelfAttention`` passes :func:`context_parallel_rng_fork`).
+    dropout (``SelfAttention`` passes :func:`context_parallel_rng_fork`). ``document_ids``: ``[b, s_local]``,
+    this rank's split of a packed batch's document ids (or their ``DocumentMask``): attention stays
+    inside each document.
     """
     group = get_parallel_state().cp_group if group is None else group
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -86,28 +91,42 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keep = None
     if attention_mask is not None:   # as uint8: gloo and nccl have no bool collectives
         keep = all_gather_context_parallel(attention_mask.to(torch.uint8), seq_dim=1, group=group).to(torch.bool)
+    q_ids = k_ids = None
+    if document_ids is not None:
+        documents = DocumentMask.of(document_ids)
+        documents.check(q.shape[0], s_local)
+        q_ids, k_ids = gathered_ids(documents, lambda ids: all_gather_context_parallel(ids, seq_dim=1, group=group))
     with rng if rng is not None else contextlib.nullcontext():
-        return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank)
+        return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank, q_ids, k_ids)
 
 
 def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keep: Optional[torch.Tensor],
-                          causal: bool, dropout_p: float, cp_size: int, cp_rank: int) -> torch.Tensor:
+                          causal: bool, dropout_p: float, cp_size: int, cp_rank: int,
+                          q_documents: Optional[torch.Tensor] = None,
+                          k_documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The local part, a pure function: cp rank ``cp_rank``'s queries ``[b, heads, s/cp, d]`` against the
     whole sequence's keys/values ``[b, heads, s, d]`` in sequence order (fewer key/value heads than query
-    heads: grouped-query attention); ``keep``: ``[b, s]`` bool or None."""
+    heads: grouped-query attention); ``keep``: ``[b, s]`` bool or None. ``q_documents [b, s/cp]`` (this
+    rank's split) and ``k_documents [b, s]`` (in sequence order): packed rows' document ids, or None."""
     chunk = q.shape[-2] // 2
     gqa = k_all.shape[-3] != q.shape[-3]
     if not causal:
         mask = None if keep is None else keep[:, None, None, :]
+        if q_documents is not None:
+            same = chunk_document_mask(q_documents, k_documents)
+            mask = same if mask is None else mask & same
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
     outputs = []
     for slot, c in enumerate(local_chunks(cp_size, cp_rank)):
         end = (c + 1) * chunk                  # queries of chunk c see keys [0, end), lower-right causal
-        if keep is None:
+        if keep is None and q_documents is None:
             mask = causal_lower_right(chunk, end)
         else:
-            causal_mask = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(end - chunk)
-            mask = keep[:, None, None, :end] & causal_mask
+            mask = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(end - chunk)
+            if keep is not None:
+                mask = keep[:, None, None, :end] & mask
+            if q_documents is not None:
+                mask = chunk_document_mask(q_documents[:, slot * chunk:(slot + 1) * chunk], k_documents[:, :end]) & mask
         outputs.append(F.scaled_dot_product_attention(
             q[..., slot * chunk:(slot + 1) * chunk, :], k_all[..., :end, :], v_all[..., :end, :],
             attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -11,6 +11,7 @@ from torch import nn
 from ..tensor_parallel import init_method_normal
 from .attention import SelfAttention
 from .config import TransformerConfig
+from .documents import DocumentMask
 from .mlp import MLP
 from .norm import build_norm
 
@@ -25,6 +26,11 @@ def build_mlp(config: TransformerConfig, layer_number: int) -> nn.Module:
     return MoELayer(moe, init_method=init_method_normal(config.init_method_std),
                     output_layer_init_method=init_method_normal(config.output_layer_init_std),
                     params_dtype=config.params_dtype)
+
+
+def given(**inputs: Any) -> Dict[str, Any]:
+    """The optional per-layer inputs that are not None, as keywords."""
+    return {name: value for name, value in inputs.items() if value is not None}
 
 
 class TransformerLayer(nn.Module):
@@ -49,20 +55,24 @@ class TransformerLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # (hidden, mask) unless positions are given: a per-layer CUDA graph replaces attention_block with that call
-        extra = () if position_ids is None else (position_ids,)
-        return self.mlp_block(self.attention_block(hidden, attention_mask, *extra))
+                position_ids: Optional[torch.Tensor] = None,
+                document_ids: Union[torch.Tensor, DocumentMask, None] = None) -> torch.Tensor:
+        # (hidden, mask) plus only the inputs given, by name: a per-layer CUDA graph replaces attention_block
+        # with a (hidden, mask) call and refuses the others by their names
+        return self.mlp_block(self.attention_block(hidden, attention_mask,
+                                                   **given(position_ids=position_ids, document_ids=document_ids)))
 
     # The two sub-blocks are methods of their own so a per-layer CUDA graph can hold either one
     # (``cuda_graph_scope`` "attn" / "mlp", see ``lightning_megatron.cuda_graphs``).
     def attention_block(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                        position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``position_ids``: only for rotary embeddings, when not the tokens' global positions."""
-        extra = () if position_ids is None else (position_ids,)
+                        position_ids: Optional[torch.Tensor] = None,
+                        document_ids: Union[torch.Tensor, DocumentMask, None] = None) -> torch.Tensor:
+        """``position_ids``: only for rotary embeddings, when not the tokens' global positions;
+        ``document_ids``: packed documents, which attention does not cross."""
+        inputs = (attention_mask, position_ids, document_ids)
         if self.pre_norm:
-            return hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask, *extra))
-        return self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask, *extra)))
+            return hidden + self.dropout(self.attention(self.attention_norm(hidden), *inputs))
+        return self.attention_norm(hidden + self.dropout(self.attention(hidden, *inputs)))
 
     def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.pre_norm:
