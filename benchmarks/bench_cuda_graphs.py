@@ -26,6 +26,7 @@ def run_mode(mode: str, args: argparse.Namespace):
     from lightning_megatron.cuda_graphs import FullCudaGraphWrapper, PartialCudaGraphs, layer_chunks
     from lightning_megatron.models import GPTModel
     from lightning_megatron.parallel import ParallelLayout, ParallelState
+    from lightning_megatron.tensor_parallel import get_rng_tracker
     from lightning_megatron.pipeline import forward_backward
     from lightning_megatron.pipeline.schedules import schedule_order
     from lightning_megatron.tensor_parallel import model_parallel_seed
@@ -52,10 +53,10 @@ def run_mode(mode: str, args: argparse.Namespace):
     scope = mode.split(":")[1] if ":" in mode else "layer"
     if mode.startswith("partial"):
         graphs = PartialCudaGraphs(layer_chunks(model), scope=scope.split("+"), warmup_steps=args.graph_warmup,
-                                   rng_tracker=state.rng_tracker)
+                                   rng_tracker=get_rng_tracker(state))
     elif mode == "full":
         wrapper = FullCudaGraphWrapper(fwd_bwd, params=model.parameters(), warmup_steps=args.graph_warmup,
-                                       rng_tracker=state.rng_tracker)
+                                       rng_tracker=get_rng_tracker(state))
     order = schedule_order(args.micro, 1, 0)
     step_times, fb_times, losses = [], [], []
     capture_s = 0.0

@@ -41,6 +41,7 @@ from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_id
 from .config import CudaGraphConfig, GradientConfig, ParallelConfig
 from .transformer.config import model_defaults
 from .parallel import ParallelState
+from .tensor_parallel.random import get_rng_tracker
 from .fp8 import Float8Config, enable_fp8, fp8_config
 from .precision import parallel_precision
 from .parallel.topology import DEFAULT_ORDER
@@ -417,7 +418,7 @@ class MegatronStrategy(ParallelStrategy):
         """A sharded folder written by every rank, with or without the distributed optimizer; it resumes at
         any layout."""
         save_trainer_checkpoint(self.broadcast(str(filepath)), checkpoint, [self.lightning_module],
-                                self._checkpoint_optimizers(saving=True), self._state().rng_tracker)
+                                self._checkpoint_optimizers(saving=True), get_rng_tracker(self._state()))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """A sharded folder (from any layout, with or without the distributed optimizer), read into place;
@@ -426,7 +427,7 @@ class MegatronStrategy(ParallelStrategy):
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         return load_trainer_checkpoint(str(self.broadcast(str(checkpoint_path))), [self.lightning_module],
                                        self._checkpoint_optimizers(saving=False) if fitting else None,
-                                       self._state().rng_tracker, strict=self.lightning_module.strict_loading)
+                                       get_rng_tracker(self._state()), strict=self.lightning_module.strict_loading)
 
     def _raw_optimizers(self) -> List[Any]:
         return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]

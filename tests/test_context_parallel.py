@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_megatron.tensor_parallel import get_rng_tracker
 from lightning_megatron.context_parallel import (
     all_gather_context_parallel, chunk_order, context_parallel_loss_mean, context_parallel_position_ids,
     gather_context_parallel_slices, split_for_context_parallel,
@@ -249,7 +250,7 @@ def _attention_dropout_and_errors():
     q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
     plain = context_parallel_attention(q, k, v, causal=False)
     dropped = context_parallel_attention(q, k, v, causal=False, dropout_p=0.5,
-                                         rng=context_parallel_rng_fork(state.rng_tracker, state.cp_rank))
+                                         rng=context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank))
     out["plain"], out["dropped"] = plain, dropped
 
     # recomputation replays the attention-dropout masks; a fresh seed reproduces the run

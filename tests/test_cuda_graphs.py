@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_megatron.tensor_parallel import get_rng_tracker
 from lightning_megatron.cuda_graphs import (CudaGraphError, CudaGraphShapeError, FullCudaGraphWrapper,
                                             PartialCudaGraphs, layer_chunks, max_in_flight, normalize_scope,
                                             order_steps, static_buffer_plan)
@@ -152,10 +153,10 @@ def _train(mode, *, pp=1, vp=None, steps=5, warmup=2, scope="layer", dropout=0.1
     graphs = wrapper = None
     if mode == "partial":
         graphs = PartialCudaGraphs(layer_chunks(model, chunks), scope=scope, warmup_steps=warmup,
-                                   rng_tracker=state.rng_tracker, backend=graph_backend)
+                                   rng_tracker=get_rng_tracker(state), backend=graph_backend)
     elif mode == "full":
         wrapper = FullCudaGraphWrapper(run_step, params=model.parameters(), warmup_steps=warmup,
-                                       rng_tracker=state.rng_tracker, backend=graph_backend)
+                                       rng_tracker=get_rng_tracker(state), backend=graph_backend)
     losses = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -315,7 +316,7 @@ def _graph_memory(num_mb):
     model = GPTModel(cfg, 512, 128).cuda()
     ids = torch.randint(0, 512, (num_mb * 4, 128), device="cuda")
     micro = [(ids[i * 4:(i + 1) * 4],) * 2 for i in range(num_mb)]
-    graphs = PartialCudaGraphs(layer_chunks(model), warmup_steps=1, rng_tracker=state.rng_tracker)
+    graphs = PartialCudaGraphs(layer_chunks(model), warmup_steps=1, rng_tracker=get_rng_tracker(state))
 
     def step():
         forward_backward(lambda mb, chunk, ctx: chunk(mb[0], labels=mb[1]).mean(), micro, model)

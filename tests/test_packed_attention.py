@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_megatron.tensor_parallel import get_rng_tracker
 from lightning_megatron.testing import run_on_ranks
 from lightning_megatron.transformer.documents import DocumentMask, document_attention
 
@@ -146,7 +147,7 @@ def _partial_graphs_refuse_document_ids():
     for scope in ("layer", ["attn"], ["mlp"]):
         block = TransformerBlock(TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
                                                    hidden_dropout=0.0, attention_dropout=0.0))
-        graphs = PartialCudaGraphs(layer_chunks(block), scope=scope, backend="eager", rng_tracker=state.rng_tracker)
+        graphs = PartialCudaGraphs(layer_chunks(block), scope=scope, backend="eager", rng_tracker=get_rng_tracker(state))
         graphs.begin_step([1, -1])
         try:
             block(hidden, document_ids=docs).sum().backward()

@@ -30,7 +30,7 @@ loss scale and ``aux_losses`` come from the capture (a changed scale makes steps
 Usage (what the strategy does)::
 
     graphs = PartialCudaGraphs(layer_chunks(model, num_chunks), scope="layer", warmup_steps=2,
-                               rng_tracker=state.rng_tracker)
+                               rng_tracker=get_rng_tracker(state))
     for each training step:
         graphs.begin_step(schedule_order(num_microbatches, pp_size, pp_rank, num_chunks, group))
         forward_backward(...)          # layers replay their graphs
@@ -78,7 +78,7 @@ class PartialCudaGraphs:
     - ``scope``: ``"layer"`` or a list of ``"attn"``, ``"mlp"``, ``"moe_router"``,
       ``"moe_preprocess"`` (see ``scopes.py``).
     - ``warmup_steps``: eager training steps before the capture (>= 1: they record the inputs).
-    - ``rng_tracker``: the model's RNG tracker (``ParallelState.rng_tracker``); made graph-safe.
+    - ``rng_tracker``: the model's RNG tracker (``tensor_parallel.get_rng_tracker()``); made graph-safe.
     - ``backend``: ``"cuda"``, or ``"eager"`` to run the same bookkeeping without graphs.
     """
 
@@ -321,7 +321,7 @@ class PartialCudaGraphs:
         if self.sequence_parallel[chunk]:
             if self.rng_tracker is None:
                 raise CudaGraphError("sequence-parallel layers draw dropout from the RNG tracker: pass "
-                                     "rng_tracker=state.rng_tracker.")
+                                     "rng_tracker=get_rng_tracker(state).")
             return self.rng_tracker.fork()
         return contextlib.nullcontext()
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import ParallelState
-from ..tensor_parallel.random import seed_tracker
+from ..tensor_parallel.random import get_rng_tracker, seed_tracker
 
 
 def seed_identically(state: ParallelState, device: torch.device) -> int:
@@ -19,7 +19,7 @@ def seed_identically(state: ParallelState, device: torch.device) -> int:
     dist.broadcast(seed, src=0)   # on the device NCCL needs, and read back from that same tensor
     value = int(seed.item())
     torch.manual_seed(value)
-    seed_tracker(state.rng_tracker, value, state.tp_rank, state.ep_rank, state.etp_rank)
+    seed_tracker(get_rng_tracker(state), value, state.tp_rank, state.ep_rank, state.etp_rank)
     return value
 
 

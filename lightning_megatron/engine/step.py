@@ -25,6 +25,7 @@ from ..distributed import split_into_microbatches
 from ..distributed.microbatches import batch_size_of
 from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
+from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
 from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage
@@ -127,7 +128,7 @@ class StepEngine:
                              "on CPUs.")
         from ..cuda_graphs import FullCudaGraphWrapper, PartialCudaGraphs, layer_chunks
 
-        tracker = self.state.rng_tracker
+        tracker = get_rng_tracker(self.state)
         if self.cuda_graph == "full":
             params = [p for p in self.module.parameters() if p.requires_grad]
             self.full_graph = FullCudaGraphWrapper(self._graphed_step, params=params, warmup_steps=warmup_steps,

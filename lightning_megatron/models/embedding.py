@@ -10,6 +10,7 @@ from torch import nn
 
 from ..context_parallel import context_parallel_position_ids
 from ..parallel import get_parallel_state
+from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel import (
     VocabParallelEmbedding, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
     init_method_normal,
@@ -83,7 +84,7 @@ class LanguageModelEmbedding(nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.config.sequence_parallel and self.training:
-            with get_parallel_state().rng_tracker.fork():   # each rank holds different tokens
+            with get_rng_tracker().fork():   # each rank holds different tokens
                 return self.dropout(hidden)
         return self.dropout(hidden)
 

@@ -28,7 +28,7 @@ class ParallelState:
 
     def __init__(self, layout: ParallelLayout, backend: Optional[str] = None,
                  timeout: Optional[timedelta] = None,
-                 virtual_pipeline_size: Optional[int] = None, seed: int = 1234) -> None:
+                 virtual_pipeline_size: Optional[int] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelState needs torch.distributed to be initialized first: call "
@@ -57,13 +57,6 @@ class ParallelState:
         self.world_size = world
         self.coords: Dict[str, int] = layout.coords(self.rank)
         self.virtual_pipeline_size = virtual_pipeline_size
-        from ..tensor_parallel.random import RNGStatesTracker, seed_tracker  # runtime: no package cycle
-
-        # Named generator states (seed 002 appendix B.2) live as long as the groups do; seeded
-        # with ``seed`` here so forks work at once, reseeded by ``model_parallel_seed``.
-        self.rng_tracker = RNGStatesTracker()
-        seed_tracker(self.rng_tracker, seed, self.coords["tp"], self.coords["ep"], self.coords["etp"])
-
         self._ranks: Dict[str, List[int]] = {}
         self._groups: Dict[str, dist.ProcessGroup] = {}
         self._created: Dict[Tuple[Any, ...], dist.ProcessGroup] = {}

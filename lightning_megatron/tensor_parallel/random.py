@@ -10,6 +10,7 @@ seeded per tp rank.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -140,11 +141,26 @@ class RNGStatesTracker:
             _set_state(self.device_type, original)
 
 
-def get_rng_tracker() -> RNGStatesTracker:
-    """The active ParallelState's tracker."""
-    from ..parallel import get_parallel_state
+# one tracker per set of process groups (a ParallelState), living as long as it does
+_TRACKERS: "weakref.WeakKeyDictionary[Any, RNGStatesTracker]" = weakref.WeakKeyDictionary()
+INITIAL_SEED = 1234
 
-    return get_parallel_state().rng_tracker
+
+def get_rng_tracker(state: Any = None) -> RNGStatesTracker:
+    """The named generator states (seed 002, appendix B.2) of ``state`` (default: the active
+    ``ParallelState``): made on first use, seeded per tp/ep rank from ``INITIAL_SEED`` so forks work at
+    once; ``model_parallel_seed`` (the strategy: the world's one seed) reseeds them. Kept here, not on
+    the state, so the groups know nothing of random numbers."""
+    if state is None:
+        from ..parallel import get_parallel_state
+
+        state = get_parallel_state()
+    tracker = _TRACKERS.get(state)
+    if tracker is None:
+        tracker = RNGStatesTracker()
+        seed_tracker(tracker, INITIAL_SEED, state.tp_rank, state.ep_rank, state.etp_rank)
+        _TRACKERS[state] = tracker
+    return tracker
 
 
 def model_parallel_seed(seed: int, tracker: Optional[RNGStatesTracker] = None, tp_rank: Optional[int] = None,
@@ -157,7 +173,7 @@ def model_parallel_seed(seed: int, tracker: Optional[RNGStatesTracker] = None, t
         from ..parallel import get_parallel_state
 
         state = get_parallel_state()
-        tracker = state.rng_tracker if tracker is None else tracker
+        tracker = get_rng_tracker(state) if tracker is None else tracker
         tp_rank = state.tp_rank if tp_rank is None else tp_rank
         ep_rank = state.ep_rank if ep_rank is None else ep_rank
         etp_rank = state.etp_rank if etp_rank is None else etp_rank

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import get_parallel_state
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, init_method_normal
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
@@ -140,14 +140,14 @@ class SelfAttention(nn.Module):
             raise ValueError(f"sequence length {s * state.cp_size} exceeds TransformerConfig.sliding_window={window}: "
                              "sliding-window attention is not implemented; use sequences of at most that length.")
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
-            rng = context_parallel_rng_fork(state.rng_tracker, state.cp_rank) if dropout > 0 else None
+            rng = context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank) if dropout > 0 else None
             context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng,
                                                  documents)
         else:
             # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
             # sequence parallelism the whole block already runs on the tp-rank generator
             forked = dropout > 0 and not self.config.sequence_parallel
-            with state.rng_tracker.fork() if forked else contextlib.nullcontext():
+            with get_rng_tracker(state).fork() if forked else contextlib.nullcontext():
                 if documents is not None:
                     context = document_attention(q, k, v, documents, causal, dropout, attention_mask,
                                                  kernel=self.config.document_attention)

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..parallel import get_parallel_state
 from ..pipeline.stack import build_stage_layers, chunk_position
-from ..tensor_parallel import checkpoint
+from ..tensor_parallel import checkpoint, get_rng_tracker
 from .config import TransformerConfig, with_strategy_defaults
 from .documents import DocumentMask
 from .layer import TransformerLayer, given
@@ -43,7 +43,7 @@ class TransformerBlock(nn.Module):
         """``position_ids [b, s]`` (rotary embeddings only): positions other than the tokens' global ones.
         ``document_ids [b, s]``: packed documents (0, 1, ... per row, -1 on padding), which attention does
         not cross; their masks are built once here for all layers (``DocumentMask``)."""
-        rng = (get_parallel_state().rng_tracker.fork() if self.config.sequence_parallel and self.training
+        rng = (get_rng_tracker().fork() if self.config.sequence_parallel and self.training
                else contextlib.nullcontext())
         documents = None if document_ids is None else DocumentMask.of(document_ids)
         # layers are called as (hidden, mask) plus only the inputs given, by name: per-layer CUDA graphs wrap
