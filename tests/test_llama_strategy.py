@@ -42,6 +42,10 @@ class PackedLlama(TinyLlama):
                           document_ids=batch["document_ids"])
 
 
+class PackedMixtral(AuxLoggingGPT, PackedLlama):
+    mixtral = True
+
+
 LLAMA = {
     "cp2": (2, dict(context_parallel_size=2)),
     "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, micro_batch_size=2)),
@@ -54,6 +58,11 @@ PACKED = {
     "packed-pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                micro_batch_size=2)),
     "packed-cp2": (2, dict(context_parallel_size=2)),
+    "packed-dp2": (2, dict()),
+}
+PACKED_MIXTRAL = {
+    "packed-ep2": (2, dict(expert_model_parallel_size=2)),   # dp2 for attention, experts over ep
+    "packed-tp2sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
 }
 # the MoE machinery's own layouts (cp, pp, dp, buffers, ...) are test_strategy_updates.py's
 MIXTRAL = {
@@ -70,6 +79,12 @@ def llama_reference():
 @pytest.fixture(scope="module")
 def packed_reference():
     return run_on_ranks(fit_and_record, 1, dict(), module_cls=PackedLlama, dataset=PackedTokenData(), timeout=120)[0]
+
+
+@pytest.fixture(scope="module")
+def packed_mixtral_reference():
+    return run_on_ranks(fit_and_record, 1, dict(micro_batch_size=1), module_cls=PackedMixtral,
+                        dataset=PackedTokenData(), timeout=120)[0]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +122,19 @@ def test_mixtral_updates_match_single_process(mixtral_reference, name):
     assert "load_balancing_loss" in mixtral_reference["logged"]
     for rank_out in out:
         assert rank_out["losses"] == pytest.approx(mixtral_reference["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", list(PACKED_MIXTRAL))
+def test_packed_mixtral_updates_match_single_process(packed_mixtral_reference, name):
+    """Packed rows through the MoE layer (balancing losses on): routing sees every token, attention stays
+    within each document."""
+    world, kwargs = PACKED_MIXTRAL[name]
+    out = run_on_ranks(fit_and_record, world, dict(micro_batch_size=1, **kwargs), module_cls=PackedMixtral,
+                       dataset=PackedTokenData(), timeout=240)
+    assert_same_updates(out[0]["params"], packed_mixtral_reference["params"])
+    assert "load_balancing_loss" in packed_mixtral_reference["logged"]
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(packed_mixtral_reference["losses"], rel=1e-5, abs=1e-6)
 
 
 def _export(checkpoint, out_dir, ids):
