@@ -9,7 +9,7 @@ from lightning_megatron.pipeline.schedules import (
     convert_schedule_table_to_steps, get_pp_rank_microbatches, get_schedule_table,
     resolve_group_size, schedule_order, schedule_steps,
 )
-from lightning_megatron.pipeline.stages import virtual_stage
+from lightning_megatron.parallel.stages import virtual_stage
 
 # --- seed 003: 8 micro-batches, PP 4, VPP 2 (group size defaults to PP = 4) ----------------------
 

@@ -4,7 +4,7 @@ uneven first/last stages, properties over a grid, and errors."""
 import pytest
 
 from lightning_megatron.parallel import ParallelConfigError
-from lightning_megatron.pipeline.stages import (
+from lightning_megatron.parallel.stages import (
     chunk_layer_range, layer_offset, layers_per_chunk, stage_layer_ranges, virtual_stage,
 )
 

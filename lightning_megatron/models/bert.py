@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context_parallel import context_parallel_first_token
-from ..parallel import get_parallel_state
-from ..pipeline.stack import chunk_position
+from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import (
     gather_from_sequence_parallel_region, init_method_normal, pad_vocab_size, vocab_parallel_cross_entropy,
 )

@@ -10,8 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..parallel import get_parallel_state
-from ..pipeline.stack import chunk_position
+from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig

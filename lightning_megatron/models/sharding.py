@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..pipeline.chunks import VirtualChunks
 from ..tensor_parallel.mappings import gather_along_dim
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<index>\d+)\.(?P<rest>.*)$")
@@ -55,7 +54,7 @@ def global_names(model: nn.Module, buffers: bool = False) -> Dict[str, str]:
         prefix = f"{path}." if path else ""
         for copy, original in (getattr(module, "tied_weights", None) or {}).items():
             tied[prefix + copy] = prefix + original
-        if isinstance(module, VirtualChunks):
+        if getattr(module, "chunk_level_in_names", True) is False:   # VirtualChunks says so
             chunk_roots.append(prefix)
     chunk_level = re.compile(r"^(?P<root>" + "|".join(map(re.escape, chunk_roots)) + r")chunks\.\d+\.") \
         if chunk_roots else None

@@ -235,3 +235,14 @@ def get_parallel_state() -> ParallelState:
 
 def has_parallel_state() -> bool:
     return _ACTIVE is not None
+
+
+def chunk_position(vp_rank: int = 0) -> Tuple[bool, bool]:
+    """(is first chunk of the whole model, is last chunk) for this rank's local chunk ``vp_rank``."""
+    state = get_parallel_state()
+    vp_size = state.virtual_pipeline_size or 1
+    if not 0 <= vp_rank < vp_size:
+        raise ValueError(f"vp_rank={vp_rank} is out of range for virtual_pipeline_size={vp_size}.")
+    first = state.pp_rank == 0 and vp_rank == 0
+    last = state.pp_rank == state.pp_size - 1 and vp_rank == vp_size - 1
+    return first, last

@@ -15,7 +15,7 @@ from .shared_embeddings import (
     allreduce_shared_embedding_grads, shared_embedding_parameters, sync_shared_embedding_weights,
 )
 from .stack import PipelineStack
-from .stages import (
+from ..parallel.stages import (
     chunk_layer_range, layer_offset, layers_per_chunk, stage_layer_ranges, virtual_stage,
 )
 

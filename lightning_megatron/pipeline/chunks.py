@@ -17,7 +17,12 @@ class VirtualChunks(nn.Module):
     (seed 000: stage 0 holds layers [0, 1] and [4, 5] of 8). The schedule sets the active
     chunk it runs (``ParallelState.running_chunk``); ``forward`` and ``set_input_tensor`` follow it.
     Without virtual stages this holds one chunk and behaves like it.
+
+    ``chunk_level_in_names = False`` tells checkpoint naming (``models.sharding``) that the ``chunks.<v>.``
+    level is not part of the single-process model's parameter names.
     """
+
+    chunk_level_in_names = False
 
     def __init__(self, build: Callable[[int], nn.Module]) -> None:
         super().__init__()

@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import List, NamedTuple, Optional, Set, Tuple
 
 from .schedules import BACKWARD, FORWARD, ScheduleStep, resolve_group_size, schedule_steps
-from .stages import virtual_stage
+from ..parallel.stages import virtual_stage
 
 ChunkMicrobatch = Tuple[int, int]  # (local chunk, micro-batch)
 

@@ -39,7 +39,7 @@ from ..parallel import ParallelState, get_parallel_state, has_parallel_state
 from .comm_plan import ChunkMicrobatch, comm_plan
 from .p2p import PipelineP2P, prepare_group_for_batched_p2p
 from .schedules import ScheduleStep
-from .stages import virtual_stage
+from ..parallel.stages import virtual_stage
 
 
 @dataclass(frozen=True)

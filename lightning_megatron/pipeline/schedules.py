@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import List, Literal, NamedTuple, Optional, Tuple
 
 from ..parallel import ParallelConfigError
-from ._checks import check_int, check_rank, listing, nearest
+from ..parallel._checks import check_int, check_rank, listing, nearest
 
 FORWARD: Literal["forward"] = "forward"
 BACKWARD: Literal["backward"] = "backward"

@@ -10,40 +10,13 @@ handed over with ``set_input_tensor`` (the executor's convention).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from ..parallel import get_parallel_state
-from .stages import chunk_layer_range
-
-
-def chunk_position(vp_rank: int = 0) -> Tuple[bool, bool]:
-    """(is first chunk of the whole model, is last chunk) for this rank's local chunk ``vp_rank``."""
-    state = get_parallel_state()
-    vp_size = state.virtual_pipeline_size or 1
-    if not 0 <= vp_rank < vp_size:
-        raise ValueError(f"vp_rank={vp_rank} is out of range for virtual_pipeline_size={vp_size}.")
-    first = state.pp_rank == 0 and vp_rank == 0
-    last = state.pp_rank == state.pp_size - 1 and vp_rank == vp_size - 1
-    return first, last
-
-
-def build_stage_layers(num_layers: int, build_layer: Callable[[int], nn.Module], init_seed: int,
-                       vp_rank: int = 0, first_stage_layers: Optional[int] = None,
-                       last_stage_layers: Optional[int] = None) -> Tuple[nn.ModuleList, List[int]]:
-    """This rank's layers of chunk ``vp_rank`` and their global (0-based) indices."""
-    from ..transformer.init import seeded  # runtime import: transformer builds on pipeline
-
-    state = get_parallel_state()
-    indices = list(chunk_layer_range(num_layers, state.pp_size, state.pp_rank, state.virtual_pipeline_size,
-                                     vp_rank, first_stage_layers, last_stage_layers))
-    layers = []
-    for index in indices:
-        with seeded(init_seed, "layer", index):
-            layers.append(build_layer(index))
-    return nn.ModuleList(layers), indices
+from ..parallel import chunk_position
+from ..transformer.stage_layers import build_stage_layers
 
 
 class PipelineStack(nn.Module):

@@ -8,13 +8,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..parallel import get_parallel_state
-from ..pipeline.stack import build_stage_layers, chunk_position
+from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import checkpoint, get_rng_tracker
 from .config import TransformerConfig, with_strategy_defaults
 from .documents import DocumentMask
 from .layer import TransformerLayer, given
 from .norm import build_norm
+from .stage_layers import build_stage_layers
 
 
 class TransformerBlock(nn.Module):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ..parallel import ParallelConfigError
+from .topology import ParallelConfigError
 from ._checks import check_int, check_rank, listing, nearest
 
 

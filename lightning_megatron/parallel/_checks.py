@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, List
 
-from ..parallel import ParallelConfigError
+from .topology import ParallelConfigError
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
