@@ -192,10 +192,13 @@ def run_plain(workload: str, hf: bool = False, graph: bool = False, profile: boo
     return out
 
 
-def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: bool = False) -> dict:
+def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: bool = False,
+                  cprofile: bool = False, steps=None) -> dict:
+    """``cprofile``: Python's profiler over the timed steps (``out["cprofile"]``, a ``pstats.Stats``)."""
     import lightning as L
 
-    warmup, steps = WARMUP[workload]
+    warmup, default_steps = WARMUP[workload]
+    steps = steps or default_steps
     marks = {}
 
     class Module(L.LightningModule):
@@ -218,8 +221,15 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
                 marks["start"] = time.perf_counter()
                 if profile:
                     marks["profiler"] = start_profiler()
+                if cprofile:
+                    import cProfile
+
+                    marks["cprofile"] = cProfile.Profile()
+                    marks["cprofile"].enable()
 
         def on_train_end(self, trainer, module):
+            if cprofile:
+                marks["cprofile"].disable()
             torch.cuda.synchronize()
             marks["end"] = time.perf_counter()
             if profile:
@@ -243,6 +253,10 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     if profile:
         out["profile"] = marks["profile"]
+    if cprofile:
+        import pstats
+
+        out["cprofile"] = pstats.Stats(marks["cprofile"])
     return out
 
 

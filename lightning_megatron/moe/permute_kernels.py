@@ -30,12 +30,12 @@ path (tests compare the two).
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from ..kernel_switch import KernelSwitch
 
 try:
     import triton
@@ -44,28 +44,16 @@ except ImportError:   # CPU-only installs: the torch path is used
     triton = None
 
 ENV = "LM_MOE_PERMUTE_KERNELS"
+SWITCH = KernelSwitch(ENV)
 MAX_COLUMNS = 1024          # experts (map columns) one index-kernel tile holds
-ENABLED: Optional[bool] = None   # None: on unless ENV is "0"; True/False: forced (tests, benchmarks)
 
 
 def enabled() -> bool:
     """Whether CUDA tensors take the kernels: Triton is importable and the switch is on."""
-    if triton is None:
-        return False
-    if ENABLED is not None:
-        return ENABLED
-    return os.environ.get(ENV, "1") != "0"
+    return triton is not None and SWITCH.on()
 
 
-@contextlib.contextmanager
-def kernels_enabled(flag: bool) -> Iterator[None]:
-    """Force the kernels on (where CUDA and Triton are) or off inside the block."""
-    global ENABLED
-    previous, ENABLED = ENABLED, flag
-    try:
-        yield
-    finally:
-        ENABLED = previous
+kernels_enabled = SWITCH.forced_to   # ``with kernels_enabled(False):`` the torch path
 
 
 if triton is not None:

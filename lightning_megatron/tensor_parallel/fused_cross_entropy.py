@@ -35,13 +35,13 @@ kernels it is 0.4% to 3% faster: they pay for the recomputed GEMM.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..kernel_switch import KernelSwitch
 
 from .mappings import (
     all_reduce, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, resolve_group,
@@ -55,26 +55,16 @@ except ImportError:   # CPU-only installs: the torch passes
     triton = None
 
 ENV = "LM_FUSED_CE_KERNELS"
-ENABLED: Optional[bool] = None   # None: on unless ENV is "0"; True/False: forced (tests, benchmarks)
+SWITCH = KernelSwitch(ENV)
 BLOCK = 2048                     # vocabulary columns a kernel program holds at once
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
     """Whether ``x``'s chunks take the Triton passes: a CUDA tensor, Triton importable, the switch on."""
-    if triton is None or not x.is_cuda:
-        return False
-    return ENABLED if ENABLED is not None else os.environ.get(ENV, "1") != "0"
+    return triton is not None and x.is_cuda and SWITCH.on()
 
 
-@contextlib.contextmanager
-def kernels_enabled(flag: bool) -> Iterator[None]:
-    """Force the Triton passes on (where CUDA and Triton are) or off inside the block."""
-    global ENABLED
-    previous, ENABLED = ENABLED, flag
-    try:
-        yield
-    finally:
-        ENABLED = previous
+kernels_enabled = SWITCH.forced_to   # ``with kernels_enabled(False):`` the torch passes
 
 
 if triton is not None:
