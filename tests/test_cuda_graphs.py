@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.tensor_parallel import get_rng_tracker
-from lightning_megatron.cuda_graphs import (CudaGraphError, CudaGraphShapeError, FullCudaGraphWrapper,
+from lightning_megatron.cuda_graphs import (CudaGraphError, CudaGraphShapeError, FullCudaGraphWrapper, GraphPiece,
                                             PartialCudaGraphs, layer_chunks, max_in_flight, normalize_scope,
                                             order_steps, static_buffer_plan)
 from lightning_megatron.pipeline.schedules import schedule_order
@@ -95,6 +95,107 @@ def test_full_wrapper_refuses_new_shapes_and_keeps_eager_grad_semantics():
         wrapper(torch.randn(6, 4))
     with pytest.raises(CudaGraphError, match="params"):
         FullCudaGraphWrapper(step, warmup_steps=0, backend="eager")(xs[0])
+
+
+# -- the graphable-layer protocol --------------------------------------------------------------------
+class _Residual(torch.nn.Module):
+    """A user's own layer, graphed whole through the protocol; ``scale`` is a host value baked into its graph."""
+
+    def __init__(self, width, scale=1.0):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.scale = scale
+        self.graphed = None
+
+    def forward(self, x):
+        return self.graphed(x) if self.graphed is not None else self._forward(x)
+
+    def _forward(self, x):
+        return x + self.scale * torch.tanh(self.linear(x))
+
+    def graph_pieces(self, scope):
+        if scope != {"layer"}:
+            raise ValueError("_Residual is graphed whole: use cuda_graph_scope='layer'.")
+        return [GraphPiece("forward", self._forward, self._forward, [self], name="(residual)")]
+
+    def set_graphed(self, entry, fn):
+        previous, self.graphed = self.graphed, fn
+        return previous
+
+    def graph_constants(self):
+        return {"scale": self.scale}
+
+
+def _steps(graphs, layers, ref, xs, steps):
+    """SGD steps of the graphed layers and an eager copy; their gradients must agree at every step."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (torch.nn.ModuleList(layers), torch.nn.ModuleList(ref))]
+    for _ in range(steps):
+        graphs.begin_step(schedule_order(len(xs), 1, 0))
+        for stack in (layers, ref):
+            for x in xs:     # F, B per micro-batch: the order schedule_order gives one stage
+                h = x
+                for layer in stack:
+                    h = layer(h)
+                h.square().mean().backward()
+        for a, b in zip(layers, ref):
+            torch.testing.assert_close(a.linear.weight.grad, b.linear.weight.grad, rtol=1e-6, atol=1e-6)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_a_users_layer_implementing_the_protocol_is_graphed_and_trains_like_eager():
+    import copy
+
+    torch.manual_seed(0)
+    layers = [_Residual(8) for _ in range(3)]
+    ref = copy.deepcopy(layers)
+    graphs = PartialCudaGraphs([layers], warmup_steps=1, backend="eager")
+    assert all(layer.graphed is not None for layer in layers)   # the layers route their calls, nothing patched
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    _steps(graphs, layers, ref, xs, steps=4)
+    assert graphs.captured and graphs.mode == "replay"
+    stats = graphs.stats()
+    assert stats["pieces"] == ["layer 0 (residual)", "layer 1 (residual)", "layer 2 (residual)"]
+    assert stats["graphs"] == 2 * 3 * 2 and stats["static_input_buffers"] == 1   # chained: one input buffer
+    graphs.begin_step(schedule_order(len(xs), 1, 0))
+    with pytest.warns(UserWarning, match=r"layer 0 \(residual\): .*running it eagerly"):
+        layers[0](torch.randn(5, 8, requires_grad=True))    # the graph's call saw the new shape
+    for layer in ref:   # a baked constant changed: the step runs eagerly
+        layer.scale = 0.5
+    for layer in layers:
+        layer.scale = 0.5
+    with pytest.warns(UserWarning, match="a constant baked into the graphs changed"):
+        _steps(graphs, layers, ref, xs, steps=1)
+    assert graphs.mode == "eager"
+    graphs.remove()
+    assert all(layer.graphed is None for layer in layers)
+
+
+def test_before_capture_stats_are_empty_and_a_second_owner_is_refused():
+    layers = [_Residual(4)]
+    graphs = PartialCudaGraphs([layers], backend="eager")
+    assert graphs.stats() == {"graphs": 0, "static_input_slots": [], "static_input_buffers": 0,
+                              "max_in_flight": None, "pieces": ["layer 0 (residual)"]}
+    with pytest.raises(CudaGraphError, match=r"_Residual.forward of layer 0 \(residual\) is already taken over"):
+        PartialCudaGraphs([layers], backend="eager")
+    assert layers[0].graphed is not None    # the first owner keeps the call
+    graphs.remove()
+    PartialCudaGraphs([layers], backend="eager").remove()
+
+
+def test_a_layer_without_the_protocol_is_refused_naming_what_is_missing():
+    class HalfDone(torch.nn.Linear):
+        def set_graphed(self, entry, fn):
+            return None
+
+    with pytest.raises(CudaGraphError, match=r"layer 1 \(Linear\) cannot be graphed: it lacks graph_pieces, "
+                                             r"set_graphed, graph_constants of the graphable-layer protocol"):
+        PartialCudaGraphs([[_Residual(4), torch.nn.Linear(4, 4)]], backend="eager")
+    with pytest.raises(CudaGraphError, match=r"HalfDone\) cannot be graphed: it lacks graph_pieces, graph_constants "):
+        PartialCudaGraphs([[HalfDone(4, 4)]], backend="eager")
+    with pytest.raises(ValueError, match="graphed whole"):     # the layer's own refusal of a scope
+        PartialCudaGraphs([[_Residual(4)]], scope=["attn"], backend="eager")
 
 
 # -- a small GPT trained eagerly and with graphs ---------------------------------------------------

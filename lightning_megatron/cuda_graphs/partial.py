@@ -16,16 +16,18 @@ pipeline depth instead of the micro-batch count:
   next micro-batches' graphs reuse that pool memory (seed 003's ``make_weak_ref``);
 - gradient buffers for outputs that leave the graph chain are shared by all micro-batches.
 
-At replay the layers' methods route each training call to the graph of the current micro-batch
-(counted per piece); evaluation, ``torch.no_grad`` and a step whose order differs from the
-captured one run eagerly. Dropout inside graphs draws from registered generator states and
-reproduces eager's masks (see ``rng.py``).
+Layers take part through the graphable-layer protocol (``transformer/graphable.py``): they name
+their pieces and route the pieces' calls to what ``set_graphed`` hands them. At replay those calls
+go to the graph of the current micro-batch (counted per piece); evaluation, ``torch.no_grad`` and a
+step whose order differs from the captured one run eagerly. Dropout inside graphs draws from
+registered generator states and reproduces eager's masks (see ``rng.py``).
 
 Limits: parameters must be updated in place (optimizers do; re-materialising ``param.data``
 breaks the graphs); forward pre-hooks of graphed submodules are called by hand at replay with
 empty inputs (for parameter gathers); a graph's outputs are valid until the micro-batch's backward
 (do not keep layer outputs across steps); ``recompute_layers`` is refused; MoE routers' balancing
-loss scale and ``aux_losses`` come from the capture (a changed scale makes steps run eagerly).
+loss scale and ``aux_losses`` come from the capture (a changed ``graph_constants()`` value, such
+as that scale, makes steps run eagerly).
 
 Usage (what the strategy does)::
 
@@ -72,7 +74,8 @@ class PartialCudaGraphs:
     """Per-layer forward/backward CUDA graphs for the layers of this rank's model chunks.
 
     - ``layer_chunks[c]``: the layers of local chunk ``c`` in the order they run, back to back
-      (e.g. ``TransformerBlock.layers``; :func:`layer_chunks` finds them). With
+      (e.g. ``TransformerBlock.layers``; :func:`layer_chunks` finds them); each implements
+      :class:`~lightning_megatron.cuda_graphs.GraphableLayer`. With
       ``chain_layers=False`` no graph takes its input from the previous one (use it when other
       code runs between the layers).
     - ``scope``: ``"layer"`` or a list of ``"attn"``, ``"mlp"``, ``"moe_router"``,
@@ -100,19 +103,20 @@ class PartialCudaGraphs:
         for c, layers in enumerate(layer_chunks):
             entries: List[Entry] = []
             for i, layer in enumerate(layers):
-                _check_layer(layer)
                 entries.extend(layer_entries(layer, i, self.scope))
             for prev, entry in zip(entries, entries[1:]):
                 entry.chained = chain_layers and prev.ends_cleanly and entry.first_segment == prev.last_segment + 1
             self.chunks.append([_EntryState(e, c, j) for j, e in enumerate(entries)])
-        self.sequence_parallel = [any(getattr(getattr(l, "attention", None), "config", None) is not None
-                                      and l.attention.config.sequence_parallel for l in layers)
-                                  for layers in layer_chunks]
+        # a chunk's layers run under the tracker's fork when they are sequence-parallel (the block forks)
+        self.sequence_parallel = [any(s.entry.sequence_parallel for s in chunk) for chunk in self.chunks]
         self.order: Optional[Tuple[int, ...]] = None
         self.mode = "record"        # record (warm-up) | replay | eager
         self.steps_seen = 0
         self.backend: Any = None
-        self._constants: Dict[int, Any] = {}
+        self.static_buffers = 0                               # what the capture allocated (see stats())
+        self.static_buffer_slots: Dict[Any, int] = {}
+        self.max_in_flight: Optional[int] = None
+        self._constants: Dict[Tuple[int, str], Any] = {}
         self._warned: set = set()
         self._install()
 
@@ -235,30 +239,29 @@ class PartialCudaGraphs:
         self.backend.synchronize()
 
     def remove(self) -> None:
-        """Give the layers their eager methods back and drop every graph."""
+        """Give the layers their eager calls back and drop every graph."""
         for state in self._states():
-            layer = state.entry.layer
-            if state.entry.method in layer.__dict__:
-                del layer.__dict__[state.entry.method]
+            state.entry.layer.set_graphed(state.entry.method, None)
             state.runners = []
         self.order, self.backend = None, None
 
     def stats(self) -> Dict[str, Any]:
         """What was captured: graphs, static input buffers (by buffer key), forwards in flight."""
         return {"graphs": 2 * sum(len(s.runners) for s in self._states()),
-                "static_input_slots": list(getattr(self, "static_buffer_slots", {}).values()),
-                "static_input_buffers": getattr(self, "static_buffers", 0),
-                "max_in_flight": getattr(self, "max_in_flight", None),
+                "static_input_slots": list(self.static_buffer_slots.values()),
+                "static_input_buffers": self.static_buffers,
+                "max_in_flight": self.max_in_flight,
                 "pieces": [s.entry.piece.name for s in self._states()]}
 
     # -- interception --------------------------------------------------------------------------
     def _install(self) -> None:
         for state in self._states():
             layer, method = state.entry.layer, state.entry.method
-            if method in layer.__dict__:
+            previous = layer.set_graphed(method, self._make_call(state))
+            if previous is not None:
+                layer.set_graphed(method, previous)
                 raise CudaGraphError(f"{type(layer).__name__}.{method} of {state.entry.piece.name} is already "
                                      f"taken over (two PartialCudaGraphs on one model?); call remove() first.")
-            layer.__dict__[method] = self._make_call(state)
 
     def _make_call(self, state: _EntryState) -> Any:
         entry = state.entry
@@ -325,11 +328,9 @@ class PartialCudaGraphs:
             return self.rng_tracker.fork()
         return contextlib.nullcontext()
 
-    def _current_constants(self) -> Dict[int, Any]:
-        from ..moe.router import TopKRouter
-
-        return {id(m): m.aux_loss_scale for s in self._states() for m in s.entry.layer.modules()
-                if isinstance(m, TopKRouter)}
+    def _current_constants(self) -> Dict[Tuple[int, str], Any]:
+        return {(id(s.entry.layer), name): value for s in self._states()
+                for name, value in s.entry.layer.graph_constants().items()}
 
     def _states(self) -> Iterator[_EntryState]:
         for chunk in self.chunks:
@@ -369,14 +370,6 @@ def layer_chunks(model: nn.Module, num_chunks: int = 1) -> List[List[nn.Module]]
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _check_layer(layer: nn.Module) -> None:
-    config = getattr(getattr(layer, "attention", None), "config", None)
-    if config is not None and config.recompute_layers:
-        raise CudaGraphError("recompute_layers=True re-runs layers in backward, which a captured graph cannot do; "
-                             "set TransformerConfig(recompute_layers=False) with partial CUDA graphs (the graphs' "
-                             "shared pool already bounds activation memory by the micro-batches in flight).")
-
-
 # per-call layer inputs a graph does not take (they change every micro-batch): refused by name, never dropped
 _UNGRAPHED_INPUTS = {"position_ids": "rotary positions", "document_ids": "packed documents' attention masks"}
 
@@ -387,7 +380,7 @@ def _bind(entry: Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[
     if names is None:
         if kwargs:
             raise CudaGraphError(f"{entry.piece.name} was called with keyword arguments {sorted(kwargs)}; "
-                                 f"graphed generic layers take positional tensors only.")
+                                 f"its GraphPiece has no arg_names, so it takes positional tensors only.")
         return tuple(args)
     if len(args) > len(names):
         raise CudaGraphError(f"{entry.piece.name}: {len(args)} positional arguments, expected at most {len(names)}.")

@@ -33,7 +33,7 @@ single-rank values; ``set_aux_loss_scale`` keeps them invariant to the micro-bat
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -112,13 +112,28 @@ def _integer_plan(routing_map: Tensor, counts: Tensor, *, source: int, num_ep_ra
             home_expert_of_spare(plan.expert_offloading_map))
 
 
+HEAD_STOPS = ("route", "preprocess")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadState:
+    """What :meth:`MoELayer.forward_tail` needs from :meth:`MoELayer.forward_head` besides its tensors."""
+
+    stop: str                            # "route" | "preprocess"
+    names: Tuple[str, ...]               # the head's tensors, by role
+    local_shape: Tuple[int, ...]         # this rank's tokens before flattening
+    meta: Any = None                     # DispatchMetadata without its tensors (host integers)
+    meta_names: Tuple[str, ...] = ()     # its tensor fields, in output order
+
+
 class MoELayer(nn.Module):
     """A mixture-of-experts MLP block. ``forward(x)`` keeps ``x``'s shape and layout.
 
     ``x`` is ``[S, B, H]`` (sequence-first; ``[S/tp, B, H]`` under sequence parallelism) or
     ``[T, H]``. The phases are separate methods (``shared_experts_compute``, ``route``, ``offload``,
     ``preprocess``, ``dispatch``, ``experts_compute``, ``combine``) so a partial CUDA graph can stop after
-    ``route`` (with ``offload``) or ``preprocess``; ``self.dispatcher.meta`` holds the routing bookkeeping in between.
+    ``route`` (with ``offload``) or ``preprocess`` (``forward_head``; ``forward_tail`` runs the rest);
+    ``self.dispatcher.meta`` holds the routing bookkeeping in between.
     ``self.aux_losses`` are the balancing losses of the last forward (this rank's parts).
     """
 
@@ -223,15 +238,68 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"MoELayer expects hidden size {self.config.hidden_size}, got input {tuple(x.shape)}.")
         shared = self.shared_experts_compute(x)
-        local = self._split_tokens(x)
+        local = self.split_tokens(x)
         probs, routing_map, spare_homes = self.offload(*self.route(local))
         tokens, probs = self.preprocess(local.reshape(-1, self.config.hidden_size), probs, routing_map, spare_homes)
         tokens, tokens_per_expert = self.dispatch(tokens, probs)
         out = self.combine(self.experts_compute(tokens, tokens_per_expert)).view(local.shape)
-        out = self._unsplit_tokens(out)
+        out = self.unsplit_tokens(out)
         return out if shared is None else out + shared
 
-    def _split_tokens(self, x: Tensor) -> Tensor:
+    # -- forward in two parts, for partial CUDA graphs --------------------------------------------
+    def forward_head(self, x: Tensor, stop: str) -> Tuple[Tuple[Tensor, ...], "HeadState"]:
+        """``forward`` up to ``stop`` -- ``"route"`` (router, with ECHO's plan) or ``"preprocess"`` (the
+        dispatcher's) -- the part that never syncs with the host, so a CUDA graph can hold it.
+
+        Returns the tensors :meth:`forward_tail` continues from and the host state it needs (the
+        dispatch metadata's integers), which a graph keeps from its capture.
+        """
+        if stop not in HEAD_STOPS:
+            raise ValueError(f"forward_head(stop={stop!r}): stop must be one of {HEAD_STOPS}.")
+        hidden_size = self.config.hidden_size
+        shared = self.shared_experts_compute(x)
+        local = self.split_tokens(x)
+        probs, routing_map, spare_homes = self.offload(*self.route(local))
+        named: List[Tuple[str, Tensor]] = []
+        meta, meta_names = None, ()
+        if stop == "route":
+            named += [("local", local), ("probs", probs), ("routing_map", routing_map)]
+            if spare_homes is not None:
+                named.append(("spare_homes", spare_homes))
+        else:
+            tokens, row_probs = self.preprocess(local.reshape(-1, hidden_size), probs, routing_map, spare_homes)
+            tensors = self.dispatcher.meta.tensors()
+            meta_names = tuple(tensors)
+            meta = dataclasses.replace(self.dispatcher.meta, **{n: None for n in meta_names})
+            named += [("tokens", tokens), ("row_probs", row_probs)] + [(f"meta.{n}", t) for n, t in tensors.items()]
+        if shared is not None:
+            named.append(("shared", shared))
+        state = HeadState(stop, tuple(n for n, _ in named), tuple(local.shape), meta, meta_names)
+        return tuple(t for _, t in named), state
+
+    def forward_tail(self, outputs: Sequence[Tensor], state: "HeadState") -> Tensor:
+        """The rest of ``forward`` from :meth:`forward_head`'s tensors (e.g. replayed by a graph):
+        dispatch, experts and combine, whose shapes depend on the routing."""
+        out = dict(zip(state.names, outputs))
+        if state.stop == "route":
+            tokens, row_probs = self.preprocess(out["local"].reshape(-1, self.config.hidden_size), out["probs"],
+                                                out["routing_map"], out.get("spare_homes"))
+        else:
+            meta = dataclasses.replace(state.meta)
+            meta.load_tensors({n: out[f"meta.{n}"] for n in state.meta_names})
+            self.dispatcher.meta = meta
+            tokens, row_probs = out["tokens"], out["row_probs"]
+        tokens, tokens_per_expert = self.dispatch(tokens, row_probs)
+        y = self.combine(self.experts_compute(tokens, tokens_per_expert)).view(state.local_shape)
+        y = self.unsplit_tokens(y)
+        return y + out["shared"] if "shared" in out else y
+
+    def head_modules(self) -> List[nn.Module]:
+        """The submodules whose parameters :meth:`forward_head` uses."""
+        return [self.router] + ([self.shared_experts] if self.shared_experts is not None else [])
+
+    # -- the tp split of a replicated input ------------------------------------------------------
+    def split_tokens(self, x: Tensor) -> Tensor:
         """A replicated input keeps only this rank's sequence slice (see the module docstring)."""
         if self.tp_size == 1 or self.sequence_parallel:
             return x
@@ -241,7 +309,8 @@ class MoELayer(nn.Module):
                              "use a sequence length divisible by tp, or sequence_parallel=True.")
         return scatter_to_sequence_parallel_region(x, self.groups.tp)
 
-    def _unsplit_tokens(self, x: Tensor) -> Tensor:
+    def unsplit_tokens(self, x: Tensor) -> Tensor:
+        """Undo :meth:`split_tokens`: the output gets the input's layout."""
         if self.tp_size == 1 or self.sequence_parallel:
             return x
         return gather_from_sequence_parallel_region(x, self.groups.tp, tensor_parallel_output_grad=False)
