@@ -8,7 +8,13 @@ every configuration:
 - ``bf16``: the model as it is;
 - ``fp8-tensorwise`` / ``fp8-rowwise``: ``enable_fp8(model, recipe)`` in ``configure_model`` (every
   column/row-parallel linear through torchao's float8 matmul, compiled: the default);
-- ``fp8-tensorwise-eager``: the same without ``torch.compile`` (fewer steps: speed only).
+- ``fp8-tensorwise-eager``: the same without ``torch.compile`` (fewer steps: speed only);
+- ``...-layers``: ``Float8Config(compile_layers=True)``: each transformer layer compiled whole, so the
+  casts fuse with the norms / activation / residual adds; ``bf16-compiled-layers``: the same
+  compilation without float8 (the yardstick of what compilation alone gives);
+  ``fp8-tensorwise-layers-pow2``: also ``round_scales_to_power_of_2=True``;
+- ``bf16-seed1``: bf16 with another initialization seed and the same batches in the same order: the
+  natural run-to-run spread of the loss curve, to judge the fp8-vs-bf16 differences against.
 
 The data is learnable, so the loss curve means something: token sequences of a fixed random bigram
 process over 4096 token ids (the next token is a fixed successor of the current one with probability
@@ -39,11 +45,16 @@ GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, batch=4, vocab=50304)
 STEPS, TIMED_FROM, WINDOW = 200, 20, 10
 LR, LR_WARMUP = 3e-4, 20
 USED_TOKENS, FOLLOW = 4096, 0.75
-CONFIGS = {   # name: (fp8 option, compile, steps)
-    "bf16": (None, False, STEPS),
-    "fp8-tensorwise": ("tensorwise", True, STEPS),
-    "fp8-rowwise": ("rowwise", True, STEPS),
-    "fp8-tensorwise-eager": ("tensorwise", False, 40),
+CONFIGS = {   # name: what differs from bf16 (fp8 recipe, Float8Config fields, seed of the initialization, steps)
+    "bf16": dict(),
+    "bf16-seed1": dict(seed=1),   # another initialization, the same batches: the run-to-run spread of the loss
+    "bf16-compiled-layers": dict(compile_layers=True),   # each TransformerLayer compiled, no float8
+    "fp8-tensorwise": dict(fp8="tensorwise"),
+    "fp8-tensorwise-layers": dict(fp8="tensorwise", compile_layers=True),
+    "fp8-tensorwise-layers-pow2": dict(fp8="tensorwise", compile_layers=True, round_scales_to_power_of_2=True),
+    "fp8-rowwise": dict(fp8="rowwise"),
+    "fp8-rowwise-layers": dict(fp8="rowwise", compile_layers=True),
+    "fp8-tensorwise-eager": dict(fp8="tensorwise", compile=False, steps=40),
 }
 
 
@@ -80,8 +91,8 @@ def shrink_for_cpu() -> None:
     global STEPS, TIMED_FROM
     GPT.update(layers=2, hidden=64, heads=4, seq=64, batch=4, vocab=4096)
     STEPS, TIMED_FROM = 30, 5
-    for name, (recipe, compiled, steps) in CONFIGS.items():
-        CONFIGS[name] = (recipe, compiled, min(steps, STEPS))   # compiled: inductor's CPU backend
+    for spec in CONFIGS.values():   # compiled: inductor's CPU backend
+        spec["steps"] = min(spec.get("steps", STEPS), STEPS)
 
 
 def run_one(name: str, tiny: bool = False) -> dict:
@@ -92,7 +103,9 @@ def run_one(name: str, tiny: bool = False) -> dict:
     from lightning_megatron.models import GPTModel
     from lightning_megatron.transformer import TransformerConfig
 
-    recipe, compiled, steps = CONFIGS[name]
+    spec = CONFIGS[name]
+    recipe, steps = spec.get("fp8"), min(spec.get("steps", STEPS), STEPS)
+    fields = {k: spec[k] for k in ("compile", "compile_layers", "round_scales_to_power_of_2") if k in spec}
     marks = {}
     sync = (lambda: None) if tiny else torch.cuda.synchronize
 
@@ -110,7 +123,10 @@ def run_one(name: str, tiny: bool = False) -> dict:
                                     hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh")
             self.model = GPTModel(cfg, g["vocab"], g["seq"])
             if recipe is not None:
-                self.converted = len(enable_fp8(self.model, Float8Config(recipe, compile=compiled, emulate=tiny)))
+                self.converted = len(enable_fp8(self.model, Float8Config(recipe, emulate=tiny, **fields)))
+            elif fields.get("compile_layers"):
+                for layer in self.model.decoder.layers:
+                    layer.compile(dynamic=False)
 
         def training_step(self, batch, batch_idx):
             loss = self.model(batch["input_ids"], labels=batch["labels"]).mean()
@@ -134,7 +150,7 @@ def run_one(name: str, tiny: bool = False) -> dict:
             sync()
             marks["end"] = time.perf_counter()
 
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(spec.get("seed", 0), verbose=False)
     module = Module()
     # the same STEPS batches for every configuration (shorter runs stop early)
     loader = torch.utils.data.DataLoader(BigramBatches(GPT["batch"] * STEPS), batch_size=GPT["batch"],
@@ -144,7 +160,11 @@ def run_one(name: str, tiny: bool = False) -> dict:
                         max_steps=steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()])
     trainer.fit(module, loader)
-    return {"step_s": (marks["end"] - marks[TIMED_FROM]) / (steps - TIMED_FROM),
+    from torch._dynamo.utils import counters
+    return {"dynamo": {"unique_graphs": counters["stats"].get("unique_graphs", 0),
+                       "graph_breaks": sum(counters["graph_break"].values()),
+                       "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else None},
+            "step_s": (marks["end"] - marks[TIMED_FROM]) / (steps - TIMED_FROM),
             "first_steps_s": marks[TIMED_FROM] - marks[0],
             "peak_gib": 0.0 if tiny else torch.cuda.max_memory_allocated() / 2**30,
             "converted": module.converted,
@@ -162,9 +182,21 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="wall-time budget of the whole run; configurations that do not fit are skipped")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU (emulated float8)")
+    parser.add_argument("--steps", type=int, help=f"at most this many steps per configuration (> {TIMED_FROM}); "
+                        f"default {STEPS}")
+    parser.add_argument("--log-dir", help="write each configuration's stderr to LOG_DIR/NAME.log")
+    parser.add_argument("--json", help="write every configuration's results (losses included) to this file")
     args = parser.parse_args()
     if args.tiny:
         shrink_for_cpu()
+    if args.steps is not None:
+        if args.steps <= TIMED_FROM:
+            parser.error(f"--steps must be more than {TIMED_FROM} (the untimed first steps), got {args.steps}")
+        for spec in CONFIGS.values():
+            spec["steps"] = min(spec.get("steps", STEPS), args.steps)
+    unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     if args.only:
         print("RESULT " + json.dumps(run_one(args.only, args.tiny)), flush=True)
         return
@@ -183,7 +215,8 @@ def main() -> None:
         if left < 30:
             print(f"{name}: SKIPPED (budget: {left:.0f} s left)", flush=True)
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", name] + (["--tiny"] if args.tiny else [])
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", name] + (["--tiny"] if args.tiny else []) + (
+            ["--steps", str(args.steps)] if args.steps is not None else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
@@ -192,13 +225,21 @@ def main() -> None:
             print(f"{name}: TIMEOUT after {left:.0f} s\n{tail.decode() if isinstance(tail, bytes) else tail}",
                   flush=True)
             continue
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+            with open(os.path.join(args.log_dir, f"{name}.log"), "w") as f:
+                f.write(proc.stderr)
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not line:
             print(f"{name}: FAILED (rc {proc.returncode})\n{proc.stderr[-4000:]}", flush=True)
             continue
         r = results[name] = json.loads(line[-1][len("RESULT "):])
         print(f"{name}: {r['step_s'] * 1e3:.1f} ms/step, first {TIMED_FROM} steps {r['first_steps_s']:.1f} s, "
-              f"process {time.perf_counter() - t0:.0f} s, {r['converted']} layers in fp8", flush=True)
+              f"process {time.perf_counter() - t0:.0f} s, {r['converted']} layers in fp8, dynamo {r['dynamo']}",
+              flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpt": GPT, "results": results}, f)
 
     tokens = GPT["batch"] * GPT["seq"]
     base = results.get("bf16")
@@ -218,7 +259,12 @@ def main() -> None:
               f"{r['first_steps_s']:.1f} | {r['peak_gib']:.1f} | {w[0]:.4f} | {w[-1]:.4f} | {diff} |")
     print(f"\n{WINDOW}-step mean losses:")
     for name, r in results.items():
-        print(f"  {name:<22} " + " ".join(f"{v:.3f}" for v in windows(r["losses"])))
+        print(f"  {name:<26} " + " ".join(f"{v:.3f}" for v in windows(r["losses"])))
+    if ref:
+        print(f"\nrelative difference of each {WINDOW}-step mean loss to bf16's (signed, %):")
+        for name, r in results.items():
+            if name != "bf16":
+                print(f"  {name:<26} " + " ".join(f"{(a - b) / b:+.1%}" for a, b in zip(windows(r["losses"]), ref)))
     print(f"\ntotal {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -20,7 +20,10 @@ tensor) and ``"rowwise"`` (one per row along the contracted dimension, power-of-
 dynamic (computed from the tensor on every call, on the device): no host synchronization, so the
 layers can be captured in CUDA graphs. ``Float8Config(compile=True)`` (the default) compiles each
 cast-and-matmul with ``torch.compile`` (torchao's casts are separate, memory-bound kernels in eager
-mode; compiled they fuse, which is where the speed-up comes from).
+mode; compiled they fuse, which is where the speed-up comes from). ``Float8Config(compile_layers=True)``
+compiles each whole transformer layer instead (``TransformerLayer.compile()``, in place), so the casts
+also fuse with the norms, activations and residual adds around the matmuls (torchao's documented way
+to its speed-ups: compile the model); tensor and context parallel size 1 only.
 
 What each rank's scale is computed over (tensor parallelism, with or without sequence parallelism).
 A scale is computed from the tensor the rank multiplies; no scale is reduced over the tp group, and
@@ -97,6 +100,18 @@ class Float8Config:
             weight shape).
         module_filter_fn: ``fn(module, fully_qualified_name) -> bool``: only layers it returns True
             for are converted (torchao's ``module_filter_fn`` convention).
+        compile_layers: ``torch.compile`` every ``TransformerLayer`` that holds a converted layer, whole
+            (``module.compile(dynamic=False)``, in place: parameter names and checkpoints unchanged), so
+            the float8 casts fuse with the layer norms, the activation and the residual adds next to the
+            matmuls (the per-matmul compilation of ``compile`` cannot fuse across a layer boundary).
+            Needs ``compile=True``, and tensor- and context-parallel size 1 (``enable_fp8`` raises a
+            ``ValueError`` otherwise: the collectives around the matmuls are not traced by
+            ``torch.compile``). The first step compiles the layer (once, for all the layers of one
+            shape). A per-layer CUDA graph (``cuda_graph``) calls the layer's sub-blocks directly and
+            so runs them uncompiled. Default False.
+        round_scales_to_power_of_2: round every float8 scale down to a power of 2 (torchao's
+            ``Float8LinearConfig.round_scales_to_power_of_2``: the scaling is exact in floating point);
+            ``None`` (default): the recipe's own setting (off for tensorwise, on for rowwise).
     """
 
     recipe: str = "tensorwise"
@@ -104,14 +119,23 @@ class Float8Config:
     emulate: bool = False
     auto_filter: bool = False
     module_filter_fn: Optional[FilterFn] = None
+    compile_layers: bool = False
+    round_scales_to_power_of_2: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"fp8 recipe {self.recipe!r} is not one of {list(RECIPES)} (torchao's float8 "
                              f"training recipes); use fp8=None to train without float8.")
-        for name in ("compile", "emulate", "auto_filter"):
+        for name in ("compile", "emulate", "auto_filter", "compile_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.round_scales_to_power_of_2 is not None and not isinstance(self.round_scales_to_power_of_2, bool):
+            raise ValueError(f"Float8Config.round_scales_to_power_of_2 must be True, False or None (the recipe's "
+                             f"default), got {self.round_scales_to_power_of_2!r}.")
+        if self.compile_layers and not self.compile:
+            raise ValueError("Float8Config(compile_layers=True) compiles the transformer layers with their float8 "
+                             "matmuls inside, and compile=False asks for no compilation: set compile=True, or "
+                             "compile_layers=False.")
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError(f"Float8Config.module_filter_fn must be callable(module, name) -> bool, "
                              f"got {self.module_filter_fn!r}.")
@@ -123,6 +147,8 @@ class Float8Config:
         config = Float8LinearConfig.from_recipe_name(self.recipe)
         if self.emulate:
             config = dataclasses.replace(config, emulate=True)
+        if self.round_scales_to_power_of_2 is not None:
+            config = dataclasses.replace(config, round_scales_to_power_of_2=self.round_scales_to_power_of_2)
         # the layers communicate in high precision and need no padding: these must stay off
         assert not config.enable_fsdp_float8_all_gather and not config.pad_inner_dim, config
         return config
@@ -173,17 +199,30 @@ def check_fp8_supported(config: Float8Config) -> None:
                        f"and such a GPU).")
 
 
+def _patch_inductor_for_float8(config) -> None:
+    """torchao's inductor workaround for compiled float8 casts (triton-lang/triton#11111), applied by its
+    public entry point ``convert_to_float8_training`` before anything is compiled: nothing here to swap."""
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(nn.Module(), config=config)
+
+
+#: ``(recipe, emulate, round_scales_to_power_of_2) -> eager float8 linear``, filled by ``enable_fp8``: what a
+#: layer calls while ``torch.compile`` traces it into a larger graph (a plain dict lookup, nothing to trace)
+_EAGER_FLOAT8_LINEAR: dict = {}
+
+
 @functools.lru_cache(maxsize=None)
-def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[tuple] = None) -> Callable:
+def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[tuple] = None,
+                   pow2: Optional[bool] = None) -> Callable:
     """``(x, weight, bias) -> x @ weight.T + bias`` through torchao's float8 autograd matmul, as
     ``Float8Linear.forward`` calls it. Eager: one function per recipe. Compiled: one per recipe and
     ``shape`` (the weight's, and whether there is a bias), each with its own code object and so its own
     ``torch.compile`` cache: static shapes, and a model's many layer shapes do not add up against
     dynamo's recompile limit (past it dynamo would silently fall back to eager)."""
-    from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
-    config = Float8Config(recipe, emulate=emulate).torchao_config()
+    config = Float8Config(recipe, emulate=emulate, round_scales_to_power_of_2=pow2).torchao_config()
     # torchao's own per-GEMM settings (fast accumulation in the forward only, ...), from a meta-device layer
     mm_config = Float8Linear(ALIGNMENT, ALIGNMENT, bias=False, config=config, device="meta").linear_mm_config
 
@@ -193,9 +232,7 @@ def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[t
 
     if not compiled:
         return float8_linear
-    # the public entry point applies torchao's inductor workaround for compiled float8 casts
-    # (triton-lang/triton#11111) before anything is compiled; there is nothing here to swap
-    convert_to_float8_training(nn.Module(), config=config)
+    _patch_inductor_for_float8(config)
     name = f"float8_linear_{recipe}_" + "_".join(map(str, shape or ()))
     code = float8_linear.__code__.replace(co_name=name, co_qualname=name) if hasattr(
         float8_linear.__code__, "co_qualname") else float8_linear.__code__.replace(co_name=name)
@@ -224,8 +261,14 @@ class Float8Matmul:
                 f"of {ALIGNMENT}: weight {tuple(weight.shape)}, {tokens} tokens (batch x sequence of this input). "
                 f"Use a batch size / sequence length whose product is a multiple of {ALIGNMENT}, or leave this "
                 f"layer out (Float8Config(module_filter_fn=...)).")
-        shape = (*weight.shape, bias is not None) if self.config.compile else None
-        return _float8_linear(self.config.recipe, self.config.emulate, self.config.compile, shape)(x, weight, bias)
+        config = self.config
+        if torch.compiler.is_compiling():   # traced into a larger compiled graph (compile_layers): the eager matmul
+            key = (config.recipe, config.emulate, config.round_scales_to_power_of_2)
+            fn = _EAGER_FLOAT8_LINEAR.get(key) or _float8_linear(*key[:2], False, None, key[2])
+            return fn(x, weight, bias)
+        shape = (*weight.shape, bias is not None) if config.compile else None
+        return _float8_linear(config.recipe, config.emulate, config.compile, shape,
+                              config.round_scales_to_power_of_2)(x, weight, bias)
 
     def __repr__(self) -> str:
         return self.config.recipe + (" (emulated)" if self.config.emulate else "")
@@ -239,6 +282,38 @@ def _auto_keeps(config: Float8Config, name: str, out_features: int, in_features:
     return _auto_filter_for_recipe(config.recipe, filter_fqns=[])(probe, name)
 
 
+def _check_compile_layers_supported() -> None:
+    from .parallel import get_parallel_state, has_parallel_state
+
+    if not has_parallel_state():
+        return
+    state = get_parallel_state()
+    if state.tp_size > 1 or state.cp_size > 1:
+        raise ValueError(f"Float8Config(compile_layers=True) compiles whole transformer layers and supports "
+                         f"tensor- and context-parallel size 1 only (the collectives around the parallel matmuls "
+                         f"are not traced), here tp={state.tp_size}, cp={state.cp_size}: use "
+                         f"compile_layers=False (each float8 matmul compiled on its own).")
+
+
+def _compile_layers(model: nn.Module, config: Float8Config, converted: set) -> None:
+    """``compile_layers``: compile, in place, every ``TransformerLayer`` that holds a converted layer."""
+    from .transformer.layer import TransformerLayer
+
+    _patch_inductor_for_float8(config.torchao_config())
+    compiled = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, TransformerLayer):
+            continue
+        prefix = f"{name}." if name else ""
+        if any(c.startswith(prefix) for c in converted):
+            module.compile(dynamic=False)
+            compiled += 1
+    if not compiled:
+        warnings.warn(f"Float8Config(compile_layers=True): {type(model).__name__} holds no TransformerLayer with a "
+                      f"float8 layer, nothing was compiled whole (each float8 matmul is still compiled on its own).",
+                      UserWarning, stacklevel=3)
+
+
 def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwise") -> List[str]:
     """Train ``model``'s linear layers in float8 through torchao; returns the names of the converted layers.
 
@@ -247,6 +322,9 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
     the module docstring for what each rank's scales are computed over) and every ``nn.Linear`` (swapped
     to torchao's ``Float8Linear``). Call it once the model is built (``configure_model``), before the
     optimizer exists or after: parameters stay the same objects.
+
+    With ``Float8Config(compile_layers=True)`` every ``TransformerLayer`` holding a converted layer is
+    compiled whole, in place (``ValueError`` at tensor- or context-parallel size > 1).
 
     Raises ``ImportError`` without torchao and ``RuntimeError`` without a CUDA GPU of compute capability
     >= 8.9, each naming the fix. Layers whose local weight is not a multiple of 16 in both dimensions stay
@@ -259,8 +337,13 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
         raise ValueError("enable_fp8 converts the layers inside a model in place: pass the module that holds "
                          "this nn.Linear (or use torchao.float8.convert_to_float8_training on it).")
     check_fp8_supported(config)
+    if config.compile_layers:
+        _check_compile_layers_supported()
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
+
+    key = (config.recipe, config.emulate, config.round_scales_to_power_of_2)
+    _EAGER_FLOAT8_LINEAR[key] = _float8_linear(*key[:2], False, None, key[2])
 
     converted: List[str] = []
     misaligned: List[str] = []
@@ -300,6 +383,8 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
             if name in names and isinstance(module, Float8Linear):
                 module.compile()
     converted += swapped
+    if config.compile_layers and converted:
+        _compile_layers(model, config, set(converted))
 
     if misaligned:
         warnings.warn(f"fp8={config.recipe!r}: these layers stay in high precision, their local weight is not a "

@@ -5,6 +5,7 @@ equality with torchao's ``Float8Linear``, closeness to bfloat16, CUDA-graph capt
 import os
 import sys
 import tempfile
+import types
 
 import pytest
 import torch
@@ -139,6 +140,34 @@ def test_emulated_float8_gpt_trains_like_high_precision(one_rank):
     g_ref = torch.cat([p.grad.flatten() for p in ref.parameters()])
     g_fp8 = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert torch.nn.functional.cosine_similarity(g_ref, g_fp8, dim=0) > 0.99
+
+
+def test_compile_layers_and_power_of_2_scales_options(one_rank, monkeypatch):
+    with pytest.raises(ValueError, match="Float8Config.compile_layers must be True or False"):
+        Float8Config(compile_layers=1)
+    with pytest.raises(ValueError, match=r"compile_layers=True\) .* compile=False .* set compile=True"):
+        Float8Config(compile=False, compile_layers=True)
+    with pytest.raises(ValueError, match="Float8Config.round_scales_to_power_of_2 must be True, False or None"):
+        Float8Config(round_scales_to_power_of_2="yes")
+    assert Float8Config(round_scales_to_power_of_2=True).torchao_config().round_scales_to_power_of_2
+    assert not Float8Config().torchao_config().round_scales_to_power_of_2            # the recipe's default
+    assert Float8Config("rowwise").torchao_config().round_scales_to_power_of_2
+    assert not Float8Config("rowwise", round_scales_to_power_of_2=False).torchao_config().round_scales_to_power_of_2
+
+    model = tiny_gpt()
+    names = enable_fp8(model, Float8Config(emulate=True, compile_layers=True))
+    assert len(names) == 8
+    layers = list(model.decoder.layers)
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)   # compiled in place
+    assert model._compiled_call_impl is None and model.embedding._compiled_call_impl is None
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in tiny_gpt().named_parameters()]
+    with pytest.warns(UserWarning, match="holds no TransformerLayer with a float8 layer"):
+        enable_fp8(nn.Sequential(ColumnParallelLinear(32, 32)), Float8Config(emulate=True, compile_layers=True))
+
+    import lightning_megatron.parallel as parallel
+    monkeypatch.setattr(parallel, "get_parallel_state", lambda: types.SimpleNamespace(tp_size=2, cp_size=1))
+    with pytest.raises(ValueError, match=r"compile_layers=True\) .* size 1 only .* tp=2, cp=1: use compile_layers"):
+        enable_fp8(tiny_gpt(), Float8Config(emulate=True, compile_layers=True))
 
 
 # -- what each tensor-parallel rank's scales are computed over (TP=2, emulated) -------------------------------
@@ -397,3 +426,32 @@ def test_strategy_fp8_option_is_checked_at_init_and_setup():
         MegatronStrategy(fp8="bogus")
     message = run_on_ranks(_fit_with_fp8_on_cpu, 1, timeout=120)[0]
     assert "fp8='tensorwise'" in message, message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_compiled_layers_train_like_compiled_matmuls(one_rank, recipe):
+    """``compile_layers=True`` (whole layers compiled, casts fused with their neighbours) computes what the
+    per-matmul compilation computes, up to bf16 rounding of the fused neighbours, over a few AdamW steps."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    models = [_bf16(tiny_gpt(hidden_size=128, num_layers=3)) for _ in range(2)]
+    enable_fp8(models[0], Float8Config(recipe))
+    enable_fp8(models[1], Float8Config(recipe, compile_layers=True))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2, 32), generator=gen).cuda()
+    labels = torch.randint(0, 128, (2, 32), generator=gen).cuda()
+    losses = [[], []]
+    for i, m in enumerate(models):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for _ in range(4):
+            loss = m(ids, labels=labels).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[i].append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    assert losses[1][-1] < losses[1][0]
+    from torch._dynamo.utils import counters
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
