@@ -20,11 +20,11 @@ the variant's; "max err" the forward's largest difference from the first variant
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
+
+from timing import timed   # benchmarks/timing.py (this folder is on sys.path when run as a script)
 
 from lightning_megatron.moe import GroupedMLP, grouped_mm_available
 
@@ -42,26 +42,6 @@ def token_counts(rows: int, experts: int, skew: str, seed: int = 0) -> torch.Ten
     weights = torch.ones(experts) if skew == "uniform" else 1.0 / torch.arange(1, experts + 1).float()
     picks = torch.multinomial(weights / weights.sum(), rows, replacement=True, generator=gen)
     return torch.bincount(picks, minlength=experts)
-
-
-def timed(fn: Callable[[], None], iters: int, warmup: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def bench_config(name: str, experts: int, hidden: int, ffn: int, tokens: int, topk: int, skew: str,

@@ -19,39 +19,16 @@ time over kernel time; "max err" the largest difference of the forward output be
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
+
+from timing import timed   # benchmarks/timing.py (this folder is on sys.path when run as a script)
 
 from lightning_megatron.moe import (
     apply_capacity, expert_capacity, permute_indexed, permute_kernels, permute_per_token, permute_probs, topk_routing,
     unpermute, unpermute_per_token,
 )
-
-
-def timed(fn: Callable[[], None], iters: int, warmup: int, device: torch.device, gpu_only: bool = False) -> float:
-    """Median milliseconds of ``fn``. ``gpu_only``: a GPU sleep queued first lets the host launch everything
-    before the start event runs, so the time leaves out host launch overhead."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if gpu_only:
-                torch.cuda._sleep(20_000_000)        # ~10 ms: longer than launching one step
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def make_case(mode: str, tokens: int, experts: int, topk: int, hidden: int, dtype: torch.dtype,
