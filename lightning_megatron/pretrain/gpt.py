@@ -7,21 +7,22 @@ module runs with any TP/PP/VPP/DP layout.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..flops import training_flops_per_sequence
 from ..models import GPTModel
 from ..moe import MoEConfig
-from ..pipeline import VirtualChunks
 from ..transformer import TransformerConfig
+from .base import PretrainingModule
 
 
-class GPTPretraining(L.LightningModule):
+class GPTPretraining(PretrainingModule):
     """Next-token prediction with ``GPTModel``; hyper-parameters are LightningCLI arguments."""
+
+    model_class = GPTModel
 
     def __init__(self, vocab_size: int = 128, seq_length: int = 32, num_layers: int = 4, hidden_size: int = 64,
                  num_attention_heads: int = 4, ffn_hidden_size: Optional[int] = None, dropout: float = 0.0,
@@ -35,15 +36,6 @@ class GPTPretraining(L.LightningModule):
         time, so the float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
         super().__init__()
         self.save_hyperparameters()
-        self._flops_per_sequence: Dict[int, int] = {}
-
-    def configure_model(self) -> None:
-        if hasattr(self, "model"):
-            return
-        h = self.hparams
-        config = self.transformer_config()
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank,
-                                                            cross_entropy_chunk_size=h.cross_entropy_chunk_size))
 
     def transformer_config(self) -> TransformerConfig:
         h = self.hparams
@@ -52,16 +44,6 @@ class GPTPretraining(L.LightningModule):
             ffn_hidden_size=h.ffn_hidden_size, hidden_dropout=h.dropout, attention_dropout=h.dropout,
             activation=h.activation, normalization=h.normalization, sequence_parallel=h.sequence_parallel,
             init_seed=h.init_seed, moe=_moe_config(h.moe), moe_layer_freq=h.moe_layer_freq)
-
-    def training_flops(self, batch: dict) -> int:
-        """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once),
-        for ``lightning_megatron.callbacks.MegatronThroughputMonitor``'s TFLOP/s and MFU."""
-        b, s = batch["input_ids"].shape
-        per_sequence = self._flops_per_sequence.get(s)
-        if per_sequence is None:   # called every batch: the config is built and counted once per length
-            per_sequence = self._flops_per_sequence[s] = training_flops_per_sequence(
-                self.transformer_config(), s, self.hparams.vocab_size)
-        return b * per_sequence
 
     def forward(self, batch: dict) -> torch.Tensor:
         return self.model(batch["input_ids"], labels=batch["labels"])

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Optional
 
-import lightning as L
 import torch
 
-from ..flops import training_flops_per_sequence
 from ..models.llama import LlamaModel, llama_config
-from ..pipeline import VirtualChunks
 from ..transformer import TransformerConfig
+from .base import PretrainingModule
 
 IGNORE_INDEX = -100
 
 
-class LlamaPretraining(L.LightningModule):
+class LlamaPretraining(PretrainingModule):
     """Next-token prediction with ``LlamaModel``; the loss is the mean over the tokens that have a label
     (packed rows mark padding and document ends with -100). Hyper-parameters are LightningCLI arguments;
     ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``.
     ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a time, so the
     float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
+
+    model_class = LlamaModel
 
     def __init__(self, vocab_size: int = 512, seq_length: int = 128, num_layers: int = 4, hidden_size: int = 64,
                  num_attention_heads: int = 4, num_query_groups: Optional[int] = 2,
@@ -30,29 +30,12 @@ class LlamaPretraining(L.LightningModule):
                  warmup_steps: int = 10, init_seed: int = 1234, cross_entropy_chunk_size: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self._flops_per_sequence: Dict[int, int] = {}
 
     def transformer_config(self) -> TransformerConfig:
         h = self.hparams
         return llama_config(h.num_layers, h.hidden_size, h.num_attention_heads, num_query_groups=h.num_query_groups,
                             ffn_hidden_size=h.ffn_hidden_size, rotary_base=h.rotary_base,
                             sequence_parallel=h.sequence_parallel, init_seed=h.init_seed)
-
-    def configure_model(self) -> None:
-        if hasattr(self, "model"):
-            return
-        config, h = self.transformer_config(), self.hparams
-        self.model = VirtualChunks(lambda vp_rank: LlamaModel(config, h.vocab_size, h.seq_length, vp_rank=vp_rank,
-                                                              cross_entropy_chunk_size=h.cross_entropy_chunk_size))
-
-    def training_flops(self, batch: dict) -> int:
-        """Model FLOPs of one forward and backward pass over ``batch`` (for ``MegatronThroughputMonitor``)."""
-        b, s = batch["input_ids"].shape
-        per_sequence = self._flops_per_sequence.get(s)
-        if per_sequence is None:   # called every batch: the config is built and counted once per length
-            per_sequence = self._flops_per_sequence[s] = training_flops_per_sequence(
-                self.transformer_config(), s, self.hparams.vocab_size)
-        return b * per_sequence
 
     def forward(self, batch: dict) -> torch.Tensor:
         """Per-token losses ``[b, s]`` (0 where the label is -100). Packed rows (``PretrainingData(packed=True)``)

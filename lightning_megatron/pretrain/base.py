@@ -1,0 +1,43 @@
+"""What the pre-training recipes share: the model built in ``configure_model`` as this rank's virtual
+pipeline chunks, and its FLOPs per sequence length counted once (the throughput callback asks every batch)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import lightning as L
+
+from ..flops import training_flops_per_sequence
+from ..pipeline import VirtualChunks
+from ..transformer import TransformerConfig
+
+
+class PretrainingModule(L.LightningModule):
+    """Subclasses name ``model_class`` (``GPTModel`` or a subclass) and build ``transformer_config()`` from their
+    hyper-parameters, which include ``vocab_size``, ``seq_length`` and ``cross_entropy_chunk_size``."""
+
+    model_class: type
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._flops_per_sequence: Dict[int, int] = {}
+
+    def transformer_config(self) -> TransformerConfig:
+        raise NotImplementedError(f"{type(self).__name__} must define transformer_config().")
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        config, h = self.transformer_config(), self.hparams
+        self.model = VirtualChunks(lambda vp_rank: self.model_class(
+            config, h.vocab_size, h.seq_length, vp_rank=vp_rank, cross_entropy_chunk_size=h.cross_entropy_chunk_size))
+
+    def training_flops(self, batch: dict) -> int:
+        """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once), for
+        ``lightning_megatron.callbacks.MegatronThroughputMonitor``'s TFLOP/s and MFU."""
+        b, s = batch["input_ids"].shape
+        per_sequence = self._flops_per_sequence.get(s)
+        if per_sequence is None:
+            per_sequence = self._flops_per_sequence[s] = training_flops_per_sequence(
+                self.transformer_config(), s, self.hparams.vocab_size)
+        return b * per_sequence
