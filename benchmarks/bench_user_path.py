@@ -36,9 +36,12 @@ BERT = dict(layers=12, hidden=768, heads=12, seq=128, batch=4, vocab=30522, labe
 LLAMA = dict(layers=16, hidden=2048, heads=32, kv=8, ffn=8192, seq=4096, batch=1, vocab=128256, rope_base=500000.0)
 CONFIGS = ["gpt/plain", "gpt/auto", "gpt/ours-eager", "llama/plain", "llama/plain-hf", "llama/ours-eager",
            "bert/plain-hf", "bert/plain-hf-graph", "bert/plain", "bert/auto", "bert/ours-eager",
-           "bert/ours-partial", "bert/ours-full"]
-SPECS = {"gpt": GPT, "bert": BERT, "llama": LLAMA}
-WARMUP = {"gpt": (5, 20), "bert": (20, 100), "llama": (3, 12)}   # (warm-up steps, timed steps)
+           "bert/ours-partial", "bert/ours-full", "gpt8/ours-eager", "gpt8/ours-eager-fusedce"]
+# gpt8: the GPT at micro-batch 8, where the loss's float32 logits are largest (the fused chunked loss's case)
+GPT8 = dict(GPT, batch=8)
+FUSED_CE_CHUNK = 4096   # "ours-eager-fusedce": GPTModel(..., cross_entropy_chunk_size=4096)
+SPECS = {"gpt": GPT, "gpt8": GPT8, "bert": BERT, "llama": LLAMA}
+WARMUP = {"gpt": (5, 20), "gpt8": (3, 10), "bert": (20, 100), "llama": (3, 12)}   # (warm-up steps, timed steps)
 
 
 # -- models and data -------------------------------------------------------------------------------------------
@@ -51,7 +54,7 @@ def llama_config():
                 rotary_base=g["rope_base"])
 
 
-def build_model(workload: str):
+def build_model(workload: str, cross_entropy_chunk_size=None):
     from lightning_megatron.models import BertForSequenceClassification, GPTModel
     from lightning_megatron.transformer import TransformerConfig
 
@@ -60,11 +63,11 @@ def build_model(workload: str):
 
         return LlamaModel(llama_config(), LLAMA["vocab"], LLAMA["seq"], tie_word_embeddings=True)
 
-    if workload == "gpt":
+    if workload in ("gpt", "gpt8"):
         g = GPT
         cfg = TransformerConfig(num_layers=g["layers"], hidden_size=g["hidden"], num_attention_heads=g["heads"],
                                 hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh")
-        return GPTModel(cfg, g["vocab"], g["seq"])
+        return GPTModel(cfg, g["vocab"], g["seq"], cross_entropy_chunk_size=cross_entropy_chunk_size)
     b = BERT
     cfg = TransformerConfig(num_layers=b["layers"], hidden_size=b["hidden"], num_attention_heads=b["heads"],
                             layernorm_order="post", attn_mask_type="padding", hidden_dropout=0.1,
@@ -75,7 +78,7 @@ def build_model(workload: str):
 def loss_of(workload: str, model, batch):
     import torch.nn.functional as F
 
-    if workload in ("gpt", "llama"):
+    if workload in ("gpt", "gpt8", "llama"):
         return model(batch["input_ids"], labels=batch["labels"]).mean()
     return F.cross_entropy(model(batch["input_ids"]).float(), batch["labels"])
 
@@ -193,7 +196,7 @@ def run_plain(workload: str, hf: bool = False, graph: bool = False, profile: boo
 
 
 def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: bool = False,
-                  cprofile: bool = False, steps=None) -> dict:
+                  cprofile: bool = False, steps=None, cross_entropy_chunk_size=None) -> dict:
     """``cprofile``: Python's profiler over the timed steps (``out["cprofile"]``, a ``pstats.Stats``)."""
     import lightning as L
 
@@ -204,7 +207,7 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
     class Module(L.LightningModule):
         def configure_model(self):
             if not hasattr(self, "model"):
-                self.model = build_model(workload)
+                self.model = build_model(workload, cross_entropy_chunk_size)
 
         def training_step(self, batch, batch_idx):
             loss = loss_of(workload, self.model, batch)
@@ -295,6 +298,8 @@ def run_one(name: str, profile: bool) -> dict:
         return run_plain(workload, hf=True, graph=True)
     if path == "auto":
         return run_lightning(workload, "auto")
+    if path == "ours-eager-fusedce":
+        return run_lightning(workload, "megatron", None, cross_entropy_chunk_size=FUSED_CE_CHUNK)
     graph = {"ours-eager": None, "ours-partial": "partial", "ours-full": "full"}[path]
     return run_lightning(workload, "megatron", graph, profile=profile and path == "ours-eager")
 
@@ -312,7 +317,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", help="one configuration (e.g. gpt/ours-eager), run in this process")
     parser.add_argument("--profile", action="store_true", help="count host syncs and kernel launches per step")
-    parser.add_argument("--workloads", default="gpt,bert,llama")
+    parser.add_argument("--workloads", default="gpt,gpt8,bert,llama")
     parser.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
     args = parser.parse_args()
     if args.only:
@@ -348,7 +353,7 @@ def main() -> None:
         vs_plain = f"{r['step_s'] / plain['step_s']:.3f}x" if plain else "-"
         vs_graph = f"{r['step_s'] / graph['step_s']:.3f}x" if graph and workload == "bert" else "-"
         mfu = mfu790 = "-"
-        flops = {"gpt": gpt_flops, "llama": llama_flops}.get(workload)
+        flops = {"gpt": gpt_flops, "gpt8": gpt_flops * 2, "llama": llama_flops}.get(workload)
         if flops:
             mfu, mfu790 = f"{flops / r['step_s'] / peak:.1%}", f"{flops / r['step_s'] / NOMINAL_PEAK:.1%}"
         print(f"| {name} | {r['step_s'] * 1e3:.2f} | {vs_plain} | {vs_graph} | {mfu} | {mfu790} | "
