@@ -119,6 +119,8 @@ CONSTRAINTS: Dict[str, str] = {
     "overlap_param_gather": "bool; needs ``use_distributed_optimizer=True``",
     "fp8": "``None``, ``\"tensorwise\"``, ``\"rowwise\"`` or a ``Float8Config``; at setup: torchao >= 0.18 and a "
            "CUDA GPU of compute capability >= 8.9 (not checked with ``Float8Config(emulate=True)``)",
+    "calculate_per_token_loss": "bool; ``training_step`` must then return ``num_tokens`` with the summed loss; "
+                                "refuses ``accumulate_grad_batches > 1``",
     "accelerator": "-",
     "parallel_devices": "-",
     "cluster_environment": "-",
@@ -128,7 +130,7 @@ CONSTRAINTS: Dict[str, str] = {
 
 LIGHTNING_SET = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 PROCESSES = ("process_group_backend", "timeout", "start_method")
-NUMERICS = ("fp8",)
+NUMERICS = ("fp8", "calculate_per_token_loss")
 
 
 def docstring_args(doc: str) -> Dict[str, Tuple[str, bool]]:
@@ -214,8 +216,8 @@ def groups(strategy: type) -> List[Tuple[str, str, List[str]]]:
          [n for n in names if n in fields[GradientConfig]]),
         ("CUDA graphs", "Which CUDA graphs the step engine captures (`lightning_megatron.config.CudaGraphConfig`); "
          "GPUs only.", [n for n in names if n in fields[CudaGraphConfig]]),
-        ("Float8", "Low-precision matrix multiplications, on top of the Trainer's `precision` (`32-true`, "
-         "`bf16-mixed`, `bf16-true` or `16-mixed`).", [n for n in names if n in NUMERICS]),
+        ("Numerics", "How the loss is normalised, and float8 matrix multiplications on top of the Trainer's "
+         "`precision` (`32-true`, `bf16-mixed`, `bf16-true` or `16-mixed`).", [n for n in names if n in NUMERICS]),
         ("Processes", "How the processes start and talk (see [launching.md](launching.md)).",
          [n for n in names if n in PROCESSES]),
         ("Other", "Arguments not sorted into the groups above yet (`NUMERICS`, `PROCESSES` in the generator).",

@@ -78,6 +78,9 @@ class MegatronStrategy(ParallelStrategy):
         fp8: train the linear layers in float8 through torchao: ``"tensorwise"``, ``"rowwise"`` or a
             ``lightning_megatron.fp8.Float8Config`` (``None``: off); needs ``pip install
             'lightning-megatron[fp8]'`` and a GPU of compute capability >= 8.9.
+        calculate_per_token_loss: ``training_step`` returns ``{"loss": <sum of token losses>, "num_tokens":
+            <their count>}`` and the gradients are divided by the global batch's token count: one process's
+            per-token mean however the labelled tokens spread over micro-batches, data and context ranks.
 
     Any of the last five switches gradients into contiguous buffers (``param.main_grad``; the
     optimizer still reads ``.grad``); with none of them, gradients stay in ``.grad`` and are
@@ -99,6 +102,7 @@ class MegatronStrategy(ParallelStrategy):
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  grad_reduce_in_fp32: bool = False, use_distributed_optimizer: bool = False,
                  overlap_param_gather: bool = False, fp8: Union[None, str, Float8Config] = None,
+                 calculate_per_token_loss: bool = False,
                  accelerator: Optional[Accelerator] = None, parallel_devices: Optional[List[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None) -> None:
@@ -115,6 +119,7 @@ class MegatronStrategy(ParallelStrategy):
         self.graph_config = CudaGraphConfig(cuda_graph, cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
         self.graph_config.check_with(self.gradient_config)
         self.fp8 = fp8_config(fp8)   # validated here; torchao and the GPU are checked at setup
+        self.calculate_per_token_loss = bool(calculate_per_token_loss)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
         self.engine: Optional[StepEngine] = None          # runs the steps (built in setup)
@@ -197,6 +202,12 @@ class MegatronStrategy(ParallelStrategy):
         make_replicas_identical(self.model, self._state())
         sync_metrics_over_data_parallel(self.model, self._state())
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.calculate_per_token_loss and trainer.accumulate_grad_batches > 1:
+                raise ValueError(
+                    "calculate_per_token_loss=True divides the gradients by one step's global token count, which "
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches} spreads over several batches: set "
+                    "accumulate_grad_batches=1 and a larger batch with micro_batch_size (its micro-batches "
+                    "accumulate exactly).")
             self.setup_optimizers(trainer)
             self._setup_gradients()
         self.precision_plugin = parallel_precision(self.precision_plugin, self.gradients)
@@ -210,7 +221,8 @@ class MegatronStrategy(ParallelStrategy):
             self.lightning_module, self._state(), device=self.root_device, micro_batch_size=self.parallel.micro_batch_size,
             microbatch_group_size_per_vp_stage=self.parallel.microbatch_group_size_per_vp_stage,
             cuda_graph=graphs.cuda_graph, cuda_graph_scope=graphs.cuda_graph_scope,
-            cuda_graph_warmup_steps=graphs.cuda_graph_warmup_steps, cuda_graph_backend=graphs.cuda_graph_backend)
+            cuda_graph_warmup_steps=graphs.cuda_graph_warmup_steps, cuda_graph_backend=graphs.cuda_graph_backend,
+            calculate_per_token_loss=self.calculate_per_token_loss)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -273,15 +285,17 @@ class MegatronStrategy(ParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
         gradients = self.gradients
+        per_token = self.calculate_per_token_loss
 
         def last_stage(microbatch: Any) -> Any:
             out = module.training_step(microbatch, *args[1:], **kwargs)
-            loss = _extract_loss(out)
+            loss, num_tokens = _extract_loss(out, per_token)
             backward = loss / accumulate
             # Lightning's hook, just before this micro-batch's backward (on the last pipeline stage)
             call._call_callback_hooks(trainer, "on_before_backward", backward)
             call._call_lightning_module_hook(trainer, "on_before_backward", backward)
-            return (scaler.scale(backward) if scaler is not None else backward), loss.detach()
+            scaled = scaler.scale(backward) if scaler is not None else backward
+            return (scaled, loss.detach(), num_tokens) if per_token else (scaled, loss.detach())
 
         if args[1] % accumulate == 0:   # first batch of an accumulation window: start from zero
             gradients.zero()
@@ -293,6 +307,8 @@ class MegatronStrategy(ParallelStrategy):
                                      aux_loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / accumulate)
         if not self._accumulating:
             gradients.finalize([self.model])
+            if result.grad_scale is not None:   # per-token losses: divided by the global token count
+                gradients.scale(result.grad_scale)
         gradients.hide()   # Lightning zeroes gradients between training_step and backward: keep them away
         self._replay_logs(result)
         return {"loss": result.loss}
@@ -468,12 +484,19 @@ class MegatronStrategy(ParallelStrategy):
 
 
 
-def _extract_loss(out: Any) -> torch.Tensor:
+def _extract_loss(out: Any, per_token: bool) -> tuple:
+    """``(loss, token count)`` from what ``training_step`` returned (the count is ``None`` for mean losses)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     if not isinstance(loss, torch.Tensor):
         raise TypeError("training_step must return the loss (a scalar tensor) or a dict with a 'loss' key under "
                         f"the megatron strategy, got {type(out).__name__}.")
-    return loss
+    if not per_token:
+        return loss, None
+    if not isinstance(out, Mapping) or out.get("num_tokens") is None:
+        raise TypeError("with calculate_per_token_loss=True, training_step must return {'loss': <sum of the token "
+                        "losses>, 'num_tokens': <how many tokens were summed>}; got no 'num_tokens'. Return both, or "
+                        "set calculate_per_token_loss=False and return the mean.")
+    return loss, out["num_tokens"]
 
 
 def _to_cpu(obj: Any) -> Any:

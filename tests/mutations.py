@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 UPDATES = "tests/test_strategy_updates.py::test_dense_updates_match_single_process"
 MOE_UPDATES = "tests/test_strategy_updates.py::test_moe_updates_with_balancing_losses_match_single_process"
 PACKED = "tests/test_packed_attention.py"
+PER_TOKEN = "tests/test_per_token_loss.py"
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,20 @@ MUTATIONS: List[Mutation] = [
     Mutation("recipe-drops-document-ids", "lightning_megatron/pretrain/llama.py",
              'labels=batch["labels"],\n                          document_ids=batch.get("document_ids"))',
              'labels=batch["labels"])', (f"{PACKED}::test_recipe_passes_document_ids_from_packed_data",), ci=False),
+    # per-token losses: divided once by the global token count; balancing losses weighed by their tokens
+    Mutation("per-token-grads-not-divided-by-tokens", "lightning_megatron/strategy.py",
+             "                gradients.scale(result.grad_scale)\n", "                pass\n",
+             (f"{PER_TOKEN}::test_per_token_loss_matches_one_process[dp2-mb2]",)),
+    Mutation("per-token-counts-averaged-over-dp", "lightning_megatron/engine/step.py",
+             "                if not self.per_token:\n                    loss /= dp_cp", "                loss /= dp_cp",
+             (f"{PER_TOKEN}::test_per_token_loss_matches_one_process[dp2-mb2-distopt]",), ci=False),
+    Mutation("per-token-aux-not-weighted-by-tokens", "lightning_megatron/moe/router.py",
+             "        if not self.aux_loss_per_token:\n", "        if True:\n",
+             (f"{PER_TOKEN}::test_per_token_moe_weighs_balancing_losses_by_tokens[ep2]",)),
+    Mutation("per-token-aux-times-cp", "lightning_megatron/engine/step.py",
+             "set_aux_loss_scale(self.routers, aux_loss_scale, per_token=True)",
+             "set_aux_loss_scale(self.routers, aux_loss_scale * state.cp_size, per_token=True)",
+             (f"{PER_TOKEN}::test_per_token_moe_weighs_balancing_losses_by_tokens[cp2]",), ci=False),
     # clipping by the whole model's norm
     Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
              "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",

@@ -8,6 +8,7 @@ A step engine, or a plain training loop, calls it in this order::
     grads.zero()                     # first batch of an accumulation window
     with grads.no_sync(): ...        # every backward whose reduction must wait (accumulation)
     grads.finalize(modules)          # once, after the window's last backward
+    grads.scale(result.grad_scale)   # per-token losses only: dp·cp / global token count
     grads.clip_by_norm(max_norm)     # optional: by the norm of the whole parallel model
     optimizer.step(); grads.after_optimizer_step()
 
@@ -109,6 +110,20 @@ class GradientState:
     def finalize(self, modules: Sequence[nn.Module]) -> None:
         """After the window's last backward: sequence-parallel, tied-embedding and data-parallel reductions."""
         finalize_model_grads(list(modules), self.state, grads=self.buffers, params=self.params)
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """Multiply the finalized gradients by ``factor`` (a device scalar: no host sync), e.g. the step
+        engine's ``grad_scale`` for per-token losses. Under the distributed optimizer the whole buffer is
+        scaled; only this rank's shard is read."""
+        if self.buffers is not None:
+            grads = [buffer.data for buffer in self.buffers.buffers]
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for dtype, same in by_dtype.items():
+            torch._foreach_mul_(same, factor.to(dtype=dtype))
 
     def clip_by_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (the optimizer's) so the whole model's norm is at most ``max_norm``."""

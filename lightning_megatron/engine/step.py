@@ -6,7 +6,13 @@
 stage returns the loss to backpropagate and the value to report), maybe replayed from CUDA graphs,
 and returns a :class:`StepResult`: the step's loss as one process would report it (a device
 tensor, no host sync when there is one pipeline stage), what the last stage logged, and the
-outputs of forward-only steps. Gradient reduction, clipping and the optimizer are the caller's
+outputs of forward-only steps.
+
+Losses are per-rank means by default: micro-batches and data-parallel replicas are averaged, which
+is one process's mean when every micro-batch weighs the same. With ``calculate_per_token_loss``
+``last_stage`` returns a *sum* over tokens and its token count; nothing is divided during the
+step, and the gradients must be multiplied by ``StepResult.grad_scale`` (dp·cp / global token
+count, applied after the data-parallel average) -- exact for any mix of token counts. Gradient reduction, clipping and the optimizer are the caller's
 (``distributed.GradientState``); a plain Python loop can drive the engine (``tests/test_engine.py``).
 """
 
@@ -30,7 +36,8 @@ from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
 from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage
 
-LastStage = Callable[[Any], Any]   # micro-batch -> (loss to backpropagate, value to report) | eval output
+# micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output
+LastStage = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -38,15 +45,19 @@ class StepResult:
     """What one step produced, on every rank.
 
     ``loss``: the mean of the reported per-micro-batch values over the global batch (a float32
-    device scalar; ``None`` for forward-only steps). ``logs``: each name the last stage logged,
-    averaged over micro-batches, with its ``log`` arguments. ``outputs``: the last stage's
-    per-micro-batch outputs of a forward-only step (``None`` elsewhere).
+    device scalar; ``None`` for forward-only steps); with per-token losses, the reported sums over
+    the global token count. ``logs``: each name the last stage logged, averaged over micro-batches,
+    with its ``log`` arguments. ``outputs``: the last stage's per-micro-batch outputs of a
+    forward-only step (``None`` elsewhere). ``num_tokens``/``grad_scale``: per-token losses only, the
+    global token count and the factor the data-parallel-averaged gradients must be multiplied by.
     """
 
     loss: Optional[torch.Tensor]
     logs: Dict[str, Record]
     outputs: Optional[List[Any]]
     num_microbatches: int
+    num_tokens: Optional[torch.Tensor] = None
+    grad_scale: Optional[torch.Tensor] = None
 
 
 class _CaptureOnly:
@@ -100,14 +111,16 @@ class StepEngine:
     - ``cuda_graph``: ``None``, ``"partial"`` (per-layer graphs replayed in schedule order) or ``"full"``
       (the whole forward-backward of a training step), captured after ``cuda_graph_warmup_steps``
       eager steps; ``cuda_graph_backend="eager"`` runs the capture bookkeeping without graphs.
-    - ``params``: the parameters whose gradients a full-step graph produces.
+    - ``calculate_per_token_loss``: ``last_stage`` returns ``(sum to backpropagate, sum to report,
+      token count)`` (see the module doc).
     """
 
     def __init__(self, module: nn.Module, state: ParallelState, *, device: torch.device,
                  micro_batch_size: Optional[int] = None, microbatch_group_size_per_vp_stage: Optional[int] = None,
                  cuda_graph: Optional[str] = None, cuda_graph_scope: Any = "layer", cuda_graph_warmup_steps: int = 1,
-                 cuda_graph_backend: str = "cuda") -> None:
+                 cuda_graph_backend: str = "cuda", calculate_per_token_loss: bool = False) -> None:
         self.module, self.state, self.device = module, state, device
+        self.per_token = calculate_per_token_loss
         self.micro_batch_size = micro_batch_size
         self.group_size = microbatch_group_size_per_vp_stage
         self.chunks = state.virtual_pipeline_size or 1
@@ -142,8 +155,8 @@ class StepEngine:
             step_context: Callable[[], ContextManager[Any]] = torch.enable_grad,
             no_sync: Optional[Callable[[], Any]] = None, aux_loss_scale: float = 1.0) -> StepResult:
         """One step over ``batch``. ``last_stage(microbatch)`` runs on the last pipeline stage inside
-        ``step_context()``: for training it returns ``(loss to backpropagate, value to report)``, for
-        ``forward_only`` whatever the step outputs. ``no_sync``: the gradient buffers' context for every
+        ``step_context()``: for training it returns ``(loss to backpropagate, value to report)`` (and
+        the token count, with per-token losses), for ``forward_only`` whatever the step outputs. ``no_sync``: the gradient buffers' context for every
         backward but the last. ``aux_loss_scale``: the factor of the backpropagated loss (loss scale /
         accumulation) that MoE balancing losses must share."""
         if self.full_graph is not None and not forward_only:
@@ -196,10 +209,17 @@ class StepEngine:
             if forward_only:
                 results.append(out)
                 return torch.zeros(()), None
+            if self.per_token:
+                results.append(torch.stack([out[1].detach().float(), _token_count(out[2], self.device)]))
+                return out[0], None
             results.append(out[1])
             return out
 
-        if self.routers and not forward_only:
+        if self.routers and not forward_only and self.per_token:
+            # sums, later divided by the global token count (after the dp·cp average: the cp ranks'
+            # partial balancing losses add up); each micro-batch's balancing loss weighs its tokens
+            set_aux_loss_scale(self.routers, aux_loss_scale, per_token=True)
+        elif self.routers and not forward_only:
             # ... and the executor's 1/micro-batches. Gradients are averaged over dp·cp, which makes the
             # user's per-rank mean losses one mean; the balancing losses are partial sums over the cp
             # ranks' shares of each sequence, so their gradients are multiplied back by cp.
@@ -214,13 +234,17 @@ class StepEngine:
             shape_args = {"variable_seq_lengths": True}
         forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
                          dtype=self.stage_dtype, forward_only=forward_only, no_sync=no_sync,
+                         num_tokens=1 if self.per_token else None,   # per-token sums: nothing divided
                          microbatch_group_size_per_vp_stage=self.group_size,
                          pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device, **shape_args)
         if shapes:
             self._static_activation_shape = shapes[-1]
         reported = None
         if self.is_last_stage and not forward_only and results:
-            reported = torch.stack([r.detach().float() for r in results]).mean()
+            if self.per_token:   # [sum of losses, token count] of this rank's micro-batches
+                reported = torch.stack(results).sum(dim=0)
+            else:
+                reported = torch.stack([r.detach().float() for r in results]).mean()
         return {"reported": reported, "logs": capture.averaged() if self.is_last_stage else {},
                 "outputs": results if self.is_last_stage and forward_only else None,
                 "num_microbatches": len(microbatches)}
@@ -228,24 +252,41 @@ class StepEngine:
     def _result(self, core: Dict[str, Any], forward_only: bool) -> StepResult:
         """The last stage's loss and logs on every rank; the loss averaged over data-parallel replicas."""
         state = self.state
-        loss = None
+        loss = num_tokens = grad_scale = None
         if not forward_only:
             loss = core["reported"]
             if state.pp_size > 1:   # a tensor broadcast: no host sync
                 if loss is None:
-                    loss = torch.empty((), dtype=torch.float32, device=self.device)
+                    loss = torch.empty((2,) if self.per_token else (), dtype=torch.float32, device=self.device)
                 dist.broadcast(loss, src=state.ranks("pp")[-1], group=state.pp_group)
-            if state.size("dp-cp") > 1:   # the mean over the global batch, as one process reports it
+            dp_cp = state.size("dp-cp")
+            if dp_cp > 1:   # the mean over the global batch (or the global sums), as one process reports it
                 loss = loss.clone()
                 dist.all_reduce(loss, group=state.dp_cp_group)
-                loss /= state.size("dp-cp")
+                if not self.per_token:
+                    loss /= dp_cp
+            if self.per_token:
+                num_tokens = loss[1]
+                counted = num_tokens.clamp(min=1.0)   # no labelled token anywhere: zero loss and gradients
+                loss, grad_scale = loss[0] / counted, dp_cp / counted
         logs = core["logs"]
         if state.pp_size > 1:
             logs = broadcast_logs_from_last_stage(logs, state, self.device)
-        return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"])
+        return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"],
+                          num_tokens=num_tokens, grad_scale=grad_scale)
 
     def close(self) -> None:
         """Give back the per-layer graphs' hooks (the model runs eagerly again)."""
         if self.partial_graphs is not None:
             self.partial_graphs.remove()
         self.partial_graphs, self.full_graph = None, None
+
+
+def _token_count(count: Any, device: torch.device) -> torch.Tensor:
+    """A micro-batch's token count (an int or a scalar tensor) as a float32 device scalar."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(f"num_tokens must be a scalar (the micro-batch's token count), got shape "
+                             f"{tuple(count.shape)}.")
+        return count.detach().reshape(()).float()
+    return torch.full((), float(count), dtype=torch.float32, device=device)   # a fill: capturable

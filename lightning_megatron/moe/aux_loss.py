@@ -15,6 +15,11 @@ main loss is multiplied by (``1 / num_microbatches``, times any loss scale), so 
 gradient over micro-batches is the mean, as for the main loss. Under context parallelism the
 gradients are averaged over the cp ranks (each holds a per-token mean of its share), while the
 balancing losses are partial sums over them: the scale is then multiplied by the cp size.
+
+Per-token main losses (the strategy's ``calculate_per_token_loss``): the main loss is a sum over
+tokens and the gradients are divided by the global token count after the step. Each micro-batch's
+balancing loss is then multiplied by its token count (``per_token=True``, as Megatron-Core does),
+so when every token carries a label it weighs exactly what it weighs with mean losses.
 """
 
 from __future__ import annotations
@@ -97,14 +102,17 @@ def _routers(module: nn.Module):
     return [m for m in module.modules() if isinstance(m, TopKRouter)]
 
 
-def set_aux_loss_scale(module: Union[nn.Module, Iterable[nn.Module]], scale: float) -> None:
+def set_aux_loss_scale(module: Union[nn.Module, Iterable[nn.Module]], scale: float, per_token: bool = False) -> None:
     """Set the gradient scale of every router's balancing losses in ``module`` (or of the given routers:
     a training loop that sets it every step finds them once).
 
     Call it with the factor the main loss is multiplied by (e.g. ``1 / num_microbatches``).
+    ``per_token``: the main loss is a per-token sum whose gradients are later divided by the global
+    token count; each balancing loss is then also multiplied by its micro-batch's token count.
     """
     for router in (_routers(module) if isinstance(module, nn.Module) else module):
         router.aux_loss_scale = float(scale)
+        router.aux_loss_per_token = bool(per_token)
 
 
 def collect_aux_losses(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Tensor]:

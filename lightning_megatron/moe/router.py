@@ -78,6 +78,7 @@ class TopKRouter(nn.Module):
         self.capacity_factor, self.drop_policy, self.pad_to_capacity = capacity_factor, drop_policy, pad_to_capacity
         self.expert_bias_update_rate = expert_bias_update_rate
         self.aux_loss_scale = 1.0
+        self.aux_loss_per_token = False   # see aux_loss.py: set with set_aux_loss_scale
         self.aux_losses: Dict[str, Tensor] = {}
         self._explicit_loss_group = loss_group
 
@@ -125,8 +126,16 @@ class TopKRouter(nn.Module):
             probs, routing_map = apply_capacity(probs, routing_map, self.capacity(tokens.shape[0]),
                                                 self.drop_policy, self.pad_to_capacity)
         if aux is not None and aux.requires_grad:
-            probs = AttachAuxLoss.apply(probs, aux, self.aux_loss_scale)
+            probs = AttachAuxLoss.apply(probs, aux, self._aux_gradient_scale(tokens.shape[0]))
         return probs, routing_map
+
+    def _aux_gradient_scale(self, local_tokens: int) -> float:
+        """``aux_loss_scale``, times the micro-batch's token count (all ranks of the tp-cp group) with
+        per-token main losses."""
+        if not self.aux_loss_per_token:
+            return self.aux_loss_scale
+        group = self.loss_group
+        return self.aux_loss_scale * local_tokens * (1 if group is None else dist.get_world_size(group))
 
     def _aux_loss(self, x: Tensor, logits: Tensor, routing_map: Tensor) -> Optional[Tensor]:
         losses: Dict[str, Tensor] = {}

@@ -3,9 +3,10 @@ pipeline chunks, and its FLOPs per sequence length counted once (the throughput 
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Union
 
 import lightning as L
+import torch
 
 from ..flops import training_flops_per_sequence
 from ..pipeline import VirtualChunks
@@ -31,6 +32,22 @@ class PretrainingModule(L.LightningModule):
         config, h = self.transformer_config(), self.hparams
         self.model = VirtualChunks(lambda vp_rank: self.model_class(
             config, h.vocab_size, h.seq_length, vp_rank=vp_rank, cross_entropy_chunk_size=h.cross_entropy_chunk_size))
+
+    def token_loss(self, losses: torch.Tensor, counted: Optional[torch.Tensor] = None) -> Union[torch.Tensor, dict]:
+        """What ``training_step`` returns for per-token ``losses`` (``counted``: 1 where a token has a label,
+        default all): their mean, or under ``MegatronStrategy(calculate_per_token_loss=True)`` their sum and
+        count, which the strategy divides by the global batch's count (exact when rows, micro-batches and
+        ranks hold different numbers of labelled tokens). Logs ``train_loss``, this batch's mean."""
+        if counted is None:
+            total, count = losses.sum(), torch.full((), losses.numel(), dtype=torch.float32, device=losses.device)
+        else:
+            total, count = (losses * counted).sum(), counted.sum().float()
+        mean = total / count.clamp(min=1.0)
+        self.log("train_loss", mean, prog_bar=True, sync_dist=True)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "calculate_per_token_loss", False):
+            return {"loss": total, "num_tokens": count}
+        return mean
 
     def training_flops(self, batch: dict) -> int:
         """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once), for

@@ -7,7 +7,7 @@ module runs with any TP/PP/VPP/DP layout.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import lightning as L
 import torch
@@ -48,10 +48,8 @@ class GPTPretraining(PretrainingModule):
     def forward(self, batch: dict) -> torch.Tensor:
         return self.model(batch["input_ids"], labels=batch["labels"])
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self(batch).mean()
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+    def training_step(self, batch: dict, batch_idx: int) -> Union[torch.Tensor, dict]:
+        return self.token_loss(self(batch))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.log("val_loss", self(batch).mean(), prog_bar=True, sync_dist=True)

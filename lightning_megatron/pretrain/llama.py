@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -16,7 +16,8 @@ IGNORE_INDEX = -100
 
 class LlamaPretraining(PretrainingModule):
     """Next-token prediction with ``LlamaModel``; the loss is the mean over the tokens that have a label
-    (packed rows mark padding and document ends with -100). Hyper-parameters are LightningCLI arguments;
+    (packed rows mark padding and document ends with -100): set ``calculate_per_token_loss: true`` on the
+    strategy to make it the mean over the global batch's labelled tokens (else each micro-batch's mean, averaged). Hyper-parameters are LightningCLI arguments;
     ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``.
     ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a time, so the
     float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
@@ -47,10 +48,8 @@ class LlamaPretraining(PretrainingModule):
         counted = (batch["labels"] != IGNORE_INDEX).float()
         return (self(batch) * counted).sum() / counted.sum().clamp(min=1.0)
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+    def training_step(self, batch: dict, batch_idx: int) -> Union[torch.Tensor, dict]:
+        return self.token_loss(self(batch), (batch["labels"] != IGNORE_INDEX).float())
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)

@@ -121,8 +121,8 @@ class TransformerLayer(nn.Module):
         """The MoE routers' balancing-loss scale: baked into a graph's backward at capture."""
         from ..moe.router import TopKRouter
 
-        return {f"{name}.aux_loss_scale": m.aux_loss_scale for name, m in self.named_modules()
-                if isinstance(m, TopKRouter)}
+        return {f"{name}.aux_loss_scale": (m.aux_loss_scale, m.aux_loss_per_token)
+                for name, m in self.named_modules() if isinstance(m, TopKRouter)}
 
     def graph_pieces(self, scope: FrozenSet[str]) -> List[GraphPiece]:
         """What ``cuda_graph_scope`` captures of this layer (see ``cuda_graphs/scopes.py``)."""
