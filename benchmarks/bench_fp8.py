@@ -27,6 +27,7 @@ curves are compared as means over windows of 10 steps (max relative difference t
     python benchmarks/bench_fp8.py                   # everything, then the table
     python benchmarks/bench_fp8.py --only fp8-rowwise
     python benchmarks/bench_fp8.py --tiny            # a 2-layer model on the CPU, torchao's emulation: plumbing
+    python benchmarks/bench_fp8.py --shape h4096 --configs bf16,fp8-tensorwise-layers --steps 40
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ import time
 import torch
 
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, batch=4, vocab=50304)
+SHAPES = {   # --shape: the issue's GPT-1.3B, or fewer, wider layers (how the float8 gain grows with the GEMMs)
+    "1.3b": dict(GPT),
+    "h4096": dict(layers=8, hidden=4096, heads=32, seq=2048, batch=4, vocab=50304),
+    "h8192": dict(layers=2, hidden=8192, heads=64, seq=2048, batch=4, vocab=50304),
+}
 STEPS, TIMED_FROM, WINDOW = 200, 20, 10
 LR, LR_WARMUP = 3e-4, 20
 USED_TOKENS, FOLLOW = 4096, 0.75
@@ -182,11 +188,13 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="wall-time budget of the whole run; configurations that do not fit are skipped")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU (emulated float8)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="1.3b", help="the model (default: the issue's)")
     parser.add_argument("--steps", type=int, help=f"at most this many steps per configuration (> {TIMED_FROM}); "
                         f"default {STEPS}")
     parser.add_argument("--log-dir", help="write each configuration's stderr to LOG_DIR/NAME.log")
     parser.add_argument("--json", help="write every configuration's results (losses included) to this file")
     args = parser.parse_args()
+    GPT.update(SHAPES[args.shape])
     if args.tiny:
         shrink_for_cpu()
     if args.steps is not None:
@@ -215,7 +223,8 @@ def main() -> None:
         if left < 30:
             print(f"{name}: SKIPPED (budget: {left:.0f} s left)", flush=True)
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", name] + (["--tiny"] if args.tiny else []) + (
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", name, "--shape", args.shape] + (
+            ["--tiny"] if args.tiny else []) + (
             ["--steps", str(args.steps)] if args.steps is not None else [])
         t0 = time.perf_counter()
         try:

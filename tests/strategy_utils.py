@@ -79,7 +79,7 @@ class TinyGPT(L.LightningModule):
 
 def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwargs=None, module_kwargs=None,
                  val_dataloader=None, checkpoint_to=None, resume_from=None, module_cls=None, dataset_size=64,
-                 dataset=None):
+                 dataset=None, accelerator="cpu"):
     """Train on every rank of the harness world (the global batch split over data-parallel ranks);
     ``dataset``: instead of ``TokenData(n=dataset_size)``."""
     world = int(__import__("os").environ["WORLD_SIZE"])
@@ -91,7 +91,8 @@ def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwar
     options = dict(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0)
     options.update(trainer_kwargs or {})
-    trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator="cpu", devices=world, **options)
+    trainer = L.Trainer(strategy=MegatronStrategy(**strategy_kwargs), accelerator=accelerator, devices=world,
+                        **options)
     data = dataset if dataset is not None else TokenData(n=dataset_size)
     trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=False), val_dataloader, ckpt_path=resume_from)
     if checkpoint_to is not None:

@@ -13,6 +13,7 @@ the wrong weighting moves parameters by 0.2 (dp2-mb2) and 0.7 (cp2).
 """
 
 import pytest
+import torch
 
 from lightning_megatron.testing import run_on_ranks
 from strategy_utils import PackedTokenData, assert_same_updates, fit_and_record, fit_tiny_gpt
@@ -57,6 +58,8 @@ PER_TOKEN = {   # name: (world, strategy arguments); 8 samples per step
     "cp2": (2, dict(context_parallel_size=2)),
     "tp2sp-fp32-buffers": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=4,
                                    grad_reduce_in_fp32=True)),
+    # the sums and counts come out of a whole-step graph (its bookkeeping, without CUDA)
+    "dp2-mb2-full-graph": (2, dict(micro_batch_size=2, cuda_graph="full", cuda_graph_backend="eager")),
 }
 PER_TOKEN_MOE = {
     "ep2": (2, dict(expert_model_parallel_size=2)),   # dp2 for the dense weights
@@ -129,3 +132,20 @@ def test_per_token_loss_refuses_lightning_accumulation():
                           dict(accumulate_grad_batches=2), timeout=120)
     assert len(set(errors)) == 1   # the same error on every rank, before any step
     assert "accumulate_grad_batches=2" in errors[0] and "micro_batch_size" in errors[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [dict(cuda_graph="partial", cuda_graph_scope=["mlp"]), dict(cuda_graph="full")],
+                         ids=["partial-mlp", "full"])
+def test_gpu_per_token_loss_under_cuda_graphs_trains_like_eager(graphs):
+    """On one GPU through the Trainer: the token sums and counts replayed from graphs give eager's updates
+    (per-layer graphs of the MLPs only: packed rows' positions refuse attention graphs by name)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    kwargs = dict(calculate_per_token_loss=True, micro_batch_size=2)
+    options = dict(module_cls=PaddingUnlabelledLlama, module_kwargs=dict(document_attention="mask"),
+                   dataset=PackedTokenData(), accelerator="gpu", max_steps=4, backend="nccl", timeout=300)
+    eager = run_on_ranks(fit_and_record, 1, kwargs, **options)[0]
+    graphed = run_on_ranks(fit_and_record, 1, dict(graphs, **kwargs), **options)[0]
+    assert_same_updates(graphed["params"], eager["params"], rtol=1e-4, atol=1e-5)
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-6)
