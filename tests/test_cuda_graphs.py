@@ -172,6 +172,21 @@ def test_a_users_layer_implementing_the_protocol_is_graphed_and_trains_like_eage
     assert all(layer.graphed is None for layer in layers)
 
 
+def test_layer_chunks_finds_a_users_container_by_graphable_layers():
+    class Stack(torch.nn.Module):   # a user's own container: the method is all layer_chunks reads
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.ModuleList([_Residual(4), _Residual(4)])
+
+        def graphable_layers(self):
+            return self.body
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Stack())
+    assert layer_chunks(model) == [list(model[1].body)]
+    with pytest.raises(ValueError, match=r"found 2 containers of graphable layers .* in Sequential"):
+        layer_chunks(torch.nn.Sequential(Stack(), Stack()))
+
+
 def test_before_capture_stats_are_empty_and_a_second_owner_is_refused():
     layers = [_Residual(4)]
     graphs = PartialCudaGraphs([layers], backend="eager")

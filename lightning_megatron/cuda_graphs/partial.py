@@ -343,24 +343,19 @@ class PartialCudaGraphs:
 
 
 def layer_chunks(model: nn.Module, num_chunks: int = 1) -> List[List[nn.Module]]:
-    """The layers of each local chunk: ``TransformerBlock``/``PipelineStack`` layers under ``model``.
+    """The layers of each local chunk: those of the one container under ``model`` (per chunk) with
+    ``graphable_layers()`` (``TransformerBlock``, ``PipelineStack``: see ``transformer/graphable.py``).
 
     With ``num_chunks > 1`` the model must hold a ``VirtualChunks`` (one block per chunk).
     """
     from ..pipeline.chunks import VirtualChunks
 
-    def blocks(root: nn.Module) -> List[nn.ModuleList]:
-        from ..pipeline.stack import PipelineStack
-        from ..transformer.block import TransformerBlock
-
-        return [m.layers for m in root.modules() if isinstance(m, (TransformerBlock, PipelineStack))]
-
     if num_chunks == 1:
-        found = blocks(model)
+        found = [m.graphable_layers() for m in model.modules() if callable(getattr(m, "graphable_layers", None))]
         if len(found) != 1:
-            raise ValueError(f"found {len(found)} TransformerBlock/PipelineStack modules in {type(model).__name__}; "
-                             f"layer_chunks needs exactly one per chunk. Pass the layers to PartialCudaGraphs "
-                             f"yourself (chain_layers=False if other code runs between them).")
+            raise ValueError(f"found {len(found)} containers of graphable layers (TransformerBlock/PipelineStack) "
+                             f"in {type(model).__name__}; layer_chunks needs exactly one per chunk. Pass the layers "
+                             f"to PartialCudaGraphs yourself (chain_layers=False if other code runs between them).")
         return [list(found[0])]
     virtual = [m for m in model.modules() if isinstance(m, VirtualChunks)]
     if len(virtual) != 1 or len(virtual[0].chunks) != num_chunks:

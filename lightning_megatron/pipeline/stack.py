@@ -31,6 +31,10 @@ class PipelineStack(nn.Module):
         self.pre_process, self.post_process = chunk_position(vp_rank)
         self.input_tensor: Optional[torch.Tensor] = None
 
+    def graphable_layers(self) -> nn.ModuleList:
+        """This stage's layers, run one after another (per-layer CUDA graphs chain them)."""
+        return self.layers
+
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         self.input_tensor = tensor
 

@@ -37,6 +37,10 @@ class TransformerBlock(nn.Module):
         _, is_last = chunk_position(vp_rank)
         self.final_norm = build_norm(config) if config.layernorm_order == "pre" and is_last else None
 
+    def graphable_layers(self) -> nn.ModuleList:
+        """This chunk's layers, run one after another (per-layer CUDA graphs chain them)."""
+        return self.layers
+
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

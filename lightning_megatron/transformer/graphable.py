@@ -19,6 +19,10 @@ protocol lives with the layers (plain torch, no graph machinery) so that ``cuda_
 - ``graph_constants()``: host values baked into the graphs at capture (e.g. an MoE router's
   ``aux_loss_scale``); a step where they differ runs eagerly.
 
+A container that runs such layers one after another with nothing in between (``TransformerBlock``,
+``PipelineStack``) says so with ``graphable_layers()``, the layers in the order they run: that is how
+``cuda_graphs.layer_chunks`` finds them (per-layer graphs chain one layer's output into the next's input).
+
 Everything else the graphs need (buffers to restore after the capture's warm-up, parameters,
 forward pre-hooks) is read from the pieces' ``modules`` through ``nn.Module``'s public API.
 """
