@@ -54,20 +54,25 @@ def _plain_pytorch():
     return losses, params
 
 
-def _engine_loop(layout, micro_batch_size, vpp=None, **gradient_options):
-    """The loop a user without Lightning writes around the engine."""
+def _engine_loop(layout, micro_batch_size, vpp=None, per_token=False, **gradient_options):
+    """The loop a user without Lightning writes around the engine (``per_token``: the last stage returns
+    token-loss sums and counts, the gradients are multiplied by the result's ``grad_scale``)."""
     world = dist.get_world_size()
     state = ParallelState(ParallelLayout(world, **layout), virtual_pipeline_size=vpp).activate()
     torch.manual_seed(0)
     module = TinyLM()
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-    engine = StepEngine(module, state, device=torch.device("cpu"), micro_batch_size=micro_batch_size)
+    engine = StepEngine(module, state, device=torch.device("cpu"), micro_batch_size=micro_batch_size,
+                        calculate_per_token_loss=per_token)
     grads = GradientState(list(module.parameters()), state, GradientConfig(**gradient_options), optimizers=[optimizer],
                           modules=[module])
     per_rank = GLOBAL_BATCH // state.dp_size
     mine = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
 
     def last_stage(microbatch):
+        if per_token:
+            losses = module(microbatch)
+            return losses.sum(), losses.sum().detach(), losses.numel()
         loss = module(microbatch).mean()
         return loss, loss.detach()
 
@@ -77,6 +82,8 @@ def _engine_loop(layout, micro_batch_size, vpp=None, **gradient_options):
         grads.before_schedule()
         result = engine.run({k: v[mine] for k, v in batch.items()}, last_stage, no_sync=grads.schedule_no_sync)
         grads.finalize([module])
+        if per_token:
+            grads.scale(result.grad_scale)
         grads.expose()
         optimizer.step()
         grads.after_optimizer_step()
@@ -107,6 +114,20 @@ def test_engine_in_a_plain_loop_equals_plain_pytorch(reference, world, layout, m
         assert losses == pytest.approx(ref_losses, rel=1e-5), rank   # the step's loss on every rank
         if params is not None:
             assert_same_updates(params, ref_params)
+
+
+@pytest.mark.parametrize("world, layout, micro_batch_size, options", [
+    (2, dict(), 2, dict()),                                              # dp2, plain .grad
+    (4, dict(pp=2), 2, dict(use_distributed_optimizer=True)),            # dp2 over pp2, sharded buffers
+])
+def test_engine_with_per_token_sums_equals_plain_pytorch(reference, world, layout, micro_batch_size, options):
+    """Every token counts here, so the global token mean is the plain mean of the reference."""
+    ref_losses, ref_params = reference
+    for losses, params in run_on_ranks(_engine_loop, world, layout, micro_batch_size, None, True, timeout=180,
+                                       **options):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        if params is not None:
+            assert_same_updates(params, ref_params, rtol=1e-4, atol=1e-5)
 
 
 def _eval_outputs():
