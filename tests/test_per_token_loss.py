@@ -18,6 +18,7 @@ import torch
 from lightning_megatron.testing import run_on_ranks
 from strategy_utils import PackedTokenData, assert_same_updates, fit_and_record, fit_tiny_gpt
 from test_llama_strategy import PackedLlama, TinyMixtral
+from test_llama_strategy import mixtral_reference  # noqa: F401  (the fixture: mean losses, one sample per micro-batch)
 
 
 class PaddingUnlabelledLlama(PackedLlama):
@@ -93,12 +94,6 @@ def test_mean_losses_differ_from_one_process_there(one_process, name):
                        timeout=240)
     with pytest.raises(AssertionError):
         assert_same_updates(out[0]["params"], one_process["params"], rtol=1e-4, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def mixtral_reference():
-    # mean losses, one sample per micro-batch (the balancing loss is a function of a micro-batch's tokens)
-    return run_on_ranks(fit_and_record, 1, dict(micro_batch_size=1), module_cls=TinyMixtral, timeout=120)[0]
 
 
 @pytest.mark.parametrize("name", list(PER_TOKEN_MOE))
