@@ -114,7 +114,9 @@ class GradientState:
     def scale(self, factor: torch.Tensor) -> None:
         """Multiply the finalized gradients by ``factor`` (a device scalar: no host sync), e.g. the step
         engine's ``grad_scale`` for per-token losses. Under the distributed optimizer the whole buffer is
-        scaled; only this rank's shard is read."""
+        scaled; only this rank's shard is read. The factor is cast to each gradient dtype, as CUDA does for
+        a device scalar anyway (and Megatron-Core's ``scale_gradients``): bf16 gradients are scaled by a
+        factor within 0.2% of the exact one (``grad_reduce_in_fp32=True`` keeps it exact)."""
         if self.buffers is not None:
             grads = [buffer.data for buffer in self.buffers.buffers]
         else:

@@ -12,8 +12,10 @@ Losses are per-rank means by default: micro-batches and data-parallel replicas a
 is one process's mean when every micro-batch weighs the same. With ``calculate_per_token_loss``
 ``last_stage`` returns a *sum* over tokens and its token count; nothing is divided during the
 step, and the gradients must be multiplied by ``StepResult.grad_scale`` (dp·cp / global token
-count, applied after the data-parallel average) -- exact for any mix of token counts. Gradient reduction, clipping and the optimizer are the caller's
-(``distributed.GradientState``); a plain Python loop can drive the engine (``tests/test_engine.py``).
+count, applied after the data-parallel average) -- exact for any mix of token counts.
+
+Gradient reduction, clipping and the optimizer are the caller's (``distributed.GradientState``); a
+plain Python loop can drive the engine (``tests/test_engine.py``).
 """
 
 from __future__ import annotations
@@ -156,9 +158,10 @@ class StepEngine:
             no_sync: Optional[Callable[[], Any]] = None, aux_loss_scale: float = 1.0) -> StepResult:
         """One step over ``batch``. ``last_stage(microbatch)`` runs on the last pipeline stage inside
         ``step_context()``: for training it returns ``(loss to backpropagate, value to report)`` (and
-        the token count, with per-token losses), for ``forward_only`` whatever the step outputs. ``no_sync``: the gradient buffers' context for every
-        backward but the last. ``aux_loss_scale``: the factor of the backpropagated loss (loss scale /
-        accumulation) that MoE balancing losses must share."""
+        the token count, with per-token losses), for ``forward_only`` whatever the step outputs.
+        ``no_sync``: the gradient buffers' context for every backward but the last. ``aux_loss_scale``:
+        the factor of the backpropagated loss (loss scale / accumulation) that MoE balancing losses must
+        share."""
         if self.full_graph is not None and not forward_only:
             core = self.full_graph(batch, _CaptureOnly(last_stage, step_context, no_sync),
                                    aux_loss_scale=aux_loss_scale)
@@ -288,5 +291,5 @@ def _token_count(count: Any, device: torch.device) -> torch.Tensor:
         if count.numel() != 1:
             raise ValueError(f"num_tokens must be a scalar (the micro-batch's token count), got shape "
                              f"{tuple(count.shape)}.")
-        return count.detach().reshape(()).float()
+        return count.detach().reshape(()).float().to(device)   # a count computed on the host is moved once
     return torch.full((), float(count), dtype=torch.float32, device=device)   # a fill: capturable

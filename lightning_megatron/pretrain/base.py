@@ -3,6 +3,7 @@ pipeline chunks, and its FLOPs per sequence length counted once (the throughput 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Dict, Optional, Union
 
 import lightning as L
@@ -13,7 +14,7 @@ from ..pipeline import VirtualChunks
 from ..transformer import TransformerConfig
 
 
-class PretrainingModule(L.LightningModule):
+class PretrainingModule(L.LightningModule, ABC):
     """Subclasses name ``model_class`` (``GPTModel`` or a subclass) and build ``transformer_config()`` from their
     hyper-parameters, which include ``vocab_size``, ``seq_length`` and ``cross_entropy_chunk_size``."""
 
@@ -23,8 +24,9 @@ class PretrainingModule(L.LightningModule):
         super().__init__()
         self._flops_per_sequence: Dict[int, int] = {}
 
+    @abstractmethod
     def transformer_config(self) -> TransformerConfig:
-        raise NotImplementedError(f"{type(self).__name__} must define transformer_config().")
+        """The model's ``TransformerConfig`` from the recipe's hyper-parameters."""
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):

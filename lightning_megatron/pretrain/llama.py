@@ -17,7 +17,8 @@ IGNORE_INDEX = -100
 class LlamaPretraining(PretrainingModule):
     """Next-token prediction with ``LlamaModel``; the loss is the mean over the tokens that have a label
     (packed rows mark padding and document ends with -100): set ``calculate_per_token_loss: true`` on the
-    strategy to make it the mean over the global batch's labelled tokens (else each micro-batch's mean, averaged). Hyper-parameters are LightningCLI arguments;
+    strategy to make it the mean over the global batch's labelled tokens (else each micro-batch's mean,
+    averaged). Hyper-parameters are LightningCLI arguments;
     ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``.
     ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a time, so the
     float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
