@@ -1,0 +1,339 @@
+"""Multi-GPU scaling through the Trainer (the path users take): tensor, pipeline (1F1B and interleaved),
+data (distributed optimizer with overlapped reduce and gather), context and expert parallelism.
+
+Workloads (bf16-true, fused AdamW, gradient clipping at 1.0, the loss logged every step as users do):
+- ``gpt``: the ~1.3B GPT (24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary 50304, no dropout);
+- ``moe``: a small MoE GPT (12 layers, hidden 1024, 16 heads, sequence 4096, 8 experts top-2 on every
+  layer, expert FFN 2816, auxiliary loss 1e-2, dropless).
+
+Each configuration runs in its own processes (``torchrun --standalone`` above one GPU). Rank 0 times steps
+W..W+N between two marks of ``cuda.synchronize`` + barrier on every rank; then every rank profiles P more
+steps and sums the GPU time of its compute kernels (all but NCCL's): the pipeline's ideal step is that
+per-micro-batch stage compute, the slowest stage's, times (m + p - 1) - the bubble (p - 1)/(m + p - 1).
+
+    python benchmarks/bench_scaling.py --gpus 2                   # every configuration for 2 GPUs, then tables
+    python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe
+    python benchmarks/bench_scaling.py --gpus 2 --tiny --accelerator cpu   # dry run of the machinery (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+NOMINAL_PEAK = 790e12
+GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
+MOE = dict(layers=12, hidden=1024, heads=16, seq=4096, vocab=50304, experts=8, topk=2, expert_ffn=2816)
+TINY = {"gpt": dict(layers=4, hidden=64, heads=4, seq=64, vocab=256),
+        "moe": dict(layers=2, hidden=64, heads=4, seq=64, vocab=256, experts=4, topk=2, expert_ffn=96)}
+WARMUP, STEPS, PROFILED = 3, 8, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    group: str
+    workload: str
+    gpus: int
+    global_batch: int
+    micro_batch: int
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    distopt: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+
+def layouts(gpus: int) -> List[Layout]:
+    """Strong scaling for TP (global batch 8), 1F1B/interleaved at m = 4, 8, 16 (micro-batch 2), weak scaling
+    for DP (8 samples per replica), and the MoE layouts at 8 sequences of 4096 per step."""
+    out = [Layout("gpt-1gpu", "tp,dp", "gpt", 1, 8, 4)]
+    for n in (2, 4):
+        if n > gpus:
+            continue
+        out += [Layout(f"gpt-tp{n}", "tp", "gpt", n, 8, 4, tp=n),
+                Layout(f"gpt-tp{n}-sp", "tp", "gpt", n, 8, 4, tp=n, sp=True),
+                Layout(f"gpt-dp{n}", "dp", "gpt", n, 8 * n, 4, distopt=True)]
+        for m in (4, 8, 16):
+            out += [Layout(f"gpt-pp{n}-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n),
+                    Layout(f"gpt-pp{n}-vpp2-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n, vpp=2)]
+    out.append(Layout("moe-1gpu", "moe", "moe", 1, 4, 2))
+    if gpus >= 2:
+        out += [Layout("moe-dp2", "moe", "moe", 2, 8, 2),
+                Layout("moe-ep2", "moe", "moe", 2, 8, 2, ep=2),
+                Layout("moe-cp2", "moe", "moe", 2, 8, 2, cp=2),
+                Layout("moe-cp2-ep2", "moe", "moe", 2, 8, 2, cp=2, ep=2)]
+    return out
+
+
+# -- one configuration, in each of its processes ----------------------------------------------------------------
+
+def transformer_config(workload: str, tiny: bool):
+    from lightning_megatron.moe import MoEConfig
+    from lightning_megatron.transformer import TransformerConfig
+
+    spec = (TINY if tiny else {"gpt": GPT, "moe": MOE})[workload]
+    moe = None
+    if workload == "moe":
+        moe = MoEConfig(hidden_size=spec["hidden"], ffn_hidden_size=spec["expert_ffn"], num_experts=spec["experts"],
+                        topk=spec["topk"], aux_loss_coeff=1e-2)
+    return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
+                             hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh", moe=moe), spec
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq + 1), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
+
+
+def compute_ms(prof, steps: int) -> float:
+    """GPU time per step of every kernel but NCCL's (they run beside compute, waiting for peers)."""
+    total_us = 0.0
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and "nccl" not in event.key.lower():
+            total_us += getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+    return total_us / steps / 1e3
+
+
+def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> None:
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_megatron import MegatronStrategy
+    from lightning_megatron.models import GPTModel
+    from lightning_megatron.pipeline import VirtualChunks
+
+    config, spec = transformer_config(layout.workload, tiny)
+    gpu = accelerator == "gpu"
+    marks: Dict[str, object] = {}
+
+    class Module(L.LightningModule):
+        def configure_model(self):
+            if not hasattr(self, "model"):
+                self.model = VirtualChunks(lambda v: GPTModel(config, spec["vocab"], spec["seq"], vp_rank=v))
+
+        def forward(self, batch):   # pipeline stages after the first run it on the received activation
+            return self.model(batch["input_ids"], labels=batch["labels"])
+
+        def training_step(self, batch, batch_idx):
+            loss = self(batch).mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=gpu)
+
+    def mark() -> float:
+        if gpu:
+            torch.cuda.synchronize()
+        dist.barrier()
+        return time.perf_counter()
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == WARMUP:
+                marks["start"] = mark()
+            elif batch_idx == WARMUP + STEPS:
+                marks["end"] = mark()
+                if gpu:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    marks["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    marks["profiler"].__enter__()
+
+        def on_train_end(self, trainer, module):
+            if gpu:
+                torch.cuda.synchronize()
+                marks["profiler"].__exit__(None, None, None)
+                marks["compute_ms"] = compute_ms(marks["profiler"], PROFILED)
+
+    strategy = MegatronStrategy(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
+                                expert_model_parallel_size=layout.ep, sequence_parallel=layout.sp,
+                                micro_batch_size=layout.micro_batch, use_distributed_optimizer=layout.distopt,
+                                overlap_grad_reduce=layout.distopt, overlap_param_gather=layout.distopt)
+    torch.manual_seed(0)
+    steps = WARMUP + STEPS + PROFILED
+    per_rank = layout.global_batch // layout.dp
+    data = torch.utils.data.DataLoader(Tokens(layout.global_batch * steps, spec["seq"], spec["vocab"]),
+                                       batch_size=per_rank, drop_last=True)
+    trainer = L.Trainer(accelerator=accelerator, devices=layout.gpus, strategy=strategy,
+                        precision="bf16-true" if gpu else "32-true", max_steps=steps, gradient_clip_val=1.0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Clock()])
+    trainer.fit(Module(), data)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, marks.get("compute_ms"))
+    if trainer.is_global_zero:
+        result = {"layout": dataclasses.asdict(layout), "step_s": (marks["end"] - marks["start"]) / STEPS,
+                  "compute_ms_per_rank": gathered,
+                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+                  "final_loss": float(trainer.callback_metrics["train_loss"])}
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+# -- the driver ---------------------------------------------------------------------------------------------------
+
+def launch(layout: Layout, args, out_path: str) -> Optional[dict]:
+    script = [os.path.abspath(__file__), "--gpus", str(args.gpus), "--accelerator", args.accelerator] + (
+        ["--tiny"] if args.tiny else [])
+    env = dict(os.environ, BENCH_SCALING_LAYOUT=layout.name, BENCH_SCALING_OUT=out_path)   # torchrun eats --run
+    if layout.gpus == 1:
+        command = [sys.executable] + script
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={layout.gpus}"] + script
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, timeout=args.timeout, capture_output=True, text=True, env=env)
+    except subprocess.TimeoutExpired:
+        print(f"{layout.name}: timed out after {args.timeout} s", flush=True)
+        return None
+    if done.returncode != 0 or not os.path.exists(out_path):
+        print(f"{layout.name}: failed (rc {done.returncode})\n{done.stderr[-3000:]}", flush=True)
+        return None
+    with open(out_path) as f:
+        result = json.load(f)
+    print(f"{layout.name}: {result['step_s'] * 1e3:.1f} ms/step ({time.perf_counter() - start:.0f} s)", flush=True)
+    return result
+
+
+def flops_per_step(layout: Layout, tiny: bool) -> float:
+    from lightning_megatron.flops import training_flops_per_sequence
+
+    config, spec = transformer_config(layout.workload, tiny)
+    return layout.global_batch * training_flops_per_sequence(config, spec["seq"], spec["vocab"])
+
+
+def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
+    lines = []
+    rows = {name: r for name, r in results.items() if r is not None}
+
+    def throughput(r: dict) -> str:
+        layout = Layout(**r["layout"])
+        tokens = layout.global_batch * (TINY if tiny else {"gpt": GPT, "moe": MOE})[layout.workload]["seq"]
+        mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus
+        return (f"{r['step_s'] * 1e3:9.1f} | {tokens / r['step_s']:10.0f} | {mfu / 1e12:6.1f} | {mfu / peak:5.1%} | "
+                f"{mfu / NOMINAL_PEAK:5.1%}")
+
+    header = "| layout | GPUs | step ms | tokens/s | TFLOP/s/GPU | MFU (measured peak) | MFU (790) |"
+    one = rows.get("gpt-1gpu")
+    lines += ["### Tensor parallelism, strong scaling (GPT-1.3B, global batch 8, micro-batch 4)", "",
+              header + " speed-up | efficiency |", "|" + " --- |" * 9]
+    for name, r in rows.items():
+        layout = Layout(**r["layout"])
+        if name == "gpt-1gpu" or (layout.group == "tp"):
+            speedup = one["step_s"] / r["step_s"] if one else float("nan")
+            lines.append(f"| {name} | {layout.gpus} | {throughput(r)} | {speedup:.2f}x | {speedup / layout.gpus:.1%} |")
+    lines += ["", "### Data parallelism, weak scaling (8 sequences per replica; distributed optimizer, overlapped "
+              "reduce-scatter and all-gather)", "", header + " efficiency |", "|" + " --- |" * 8]
+    for name, r in rows.items():
+        layout = Layout(**r["layout"])
+        if name == "gpt-1gpu" or layout.group == "dp":
+            eff = one["step_s"] / r["step_s"] if one else float("nan")
+            lines.append(f"| {name} | {layout.gpus} | {throughput(r)} | {eff:.1%} |")
+    lines += ["", "### Pipeline bubble (GPT-1.3B, micro-batch 2, m micro-batches per step)", "",
+              "ideal = slowest stage's compute per micro-batch x (m + (p - 1)/vpp); compute = GPU time of "
+              "every non-NCCL kernel per step on that rank (optimizer included), profiled over "
+              f"{PROFILED} steps", "",
+              "| layout | m | step ms | compute ms per rank | ideal ms | step / ideal | bubble measured | "
+              "bubble ideal | tokens/s | MFU (measured peak) |", "|" + " --- |" * 10]
+    for name, r in rows.items():
+        layout = Layout(**r["layout"])
+        if layout.group != "pp":
+            continue
+        m, p = layout.micro_batches, layout.pp
+        compute = r["compute_ms_per_rank"]
+        if all(c is not None for c in compute):
+            stage = [c for c in compute]   # one rank per stage here (dp = tp = 1)
+            v = layout.vpp or 1   # interleaving: the fill and drain take (p - 1)/v stage-micro-batches
+            ideal_ms = max(stage) / m * (m + (p - 1) / v)
+            step_ms = r["step_s"] * 1e3
+            ideal_bubble = (p - 1) / (v * m + p - 1)
+            measured_bubble = 1 - max(stage) / step_ms
+            cells = (f"{' / '.join(f'{c:.1f}' for c in stage)} | {ideal_ms:.1f} | {step_ms / ideal_ms:.3f} | "
+                     f"{measured_bubble:.1%} | {ideal_bubble:.1%}")
+        else:
+            cells = "- | - | - | - | -"
+        tokens = layout.global_batch * (TINY["gpt"] if tiny else GPT)["seq"] / r["step_s"]
+        mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus / peak
+        lines.append(f"| {name} | {m} | {r['step_s'] * 1e3:.1f} | {cells} | {tokens:.0f} | {mfu:.1%} |")
+    lines += ["", "### MoE GPT (12 layers, hidden 1024, 8 experts top-2, sequence 4096, 8 sequences per step "
+              "on 2 GPUs)", "", header + " vs moe-dp2 |", "|" + " --- |" * 8]
+    base = rows.get("moe-dp2")
+    for name, r in rows.items():
+        layout = Layout(**r["layout"])
+        if layout.group == "moe":
+            rel = (f"{(layout.global_batch / r['step_s']) / (base['layout']['global_batch'] / base['step_s']):.2f}x"
+                   if base and layout.gpus == 2 else "-")
+            lines.append(f"| {name} | {layout.gpus} | {throughput(r)} | {rel} |")
+    lines += ["", "final losses: " + ", ".join(f"{n} {r['final_loss']:.4f}" for n, r in rows.items())]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--groups", default="tp,dp,pp,moe")
+    parser.add_argument("--only", default=None, help="comma-separated layout names")
+    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny models (a dry run of the machinery)")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
+    parser.add_argument("--json", default=None, help="also write every result to this file")
+    args = parser.parse_args()
+    known = {layout.name: layout for layout in layouts(args.gpus)}
+    if os.environ.get("BENCH_SCALING_LAYOUT"):   # one configuration's process (see launch)
+        run_layout(known[os.environ["BENCH_SCALING_LAYOUT"]], args.accelerator, args.tiny,
+                   os.environ["BENCH_SCALING_OUT"])
+        return
+    groups = set(args.groups.split(","))
+    chosen = ([known[n] for n in args.only.split(",")] if args.only else
+              [layout for layout in known.values() if groups & set(layout.group.split(","))])
+    peak = NOMINAL_PEAK
+    if args.accelerator == "gpu":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_gpt import measured_peak
+
+        peak = measured_peak()
+        torch.cuda.empty_cache()
+        print(f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, torch {torch.__version__}, "
+              f"measured bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in chosen:
+            results[layout.name] = launch(layout, args, os.path.join(tmp, layout.name + ".json"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(tables(results, args.tiny, peak))
+
+
+if __name__ == "__main__":
+    main()
