@@ -86,10 +86,11 @@ def loss_of(workload: str, model, batch):
 class Batches(torch.utils.data.Dataset):
     def __init__(self, workload: str, n: int) -> None:
         spec = SPECS[workload]
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(5, spec["vocab"], (n, spec["seq"]), generator=gen)
-        self.labels = (torch.randint(0, spec["vocab"], (n, spec["seq"]), generator=gen) if workload != "bert"
-                       else torch.randint(0, BERT["labels"], (n,), generator=gen))
+        # one generator per tensor: sample i is the same whatever n, so every path trains on the same batches
+        ids, labels = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+        self.ids = torch.randint(5, spec["vocab"], (n, spec["seq"]), generator=ids)
+        self.labels = (torch.randint(0, spec["vocab"], (n, spec["seq"]), generator=labels) if workload != "bert"
+                       else torch.randint(0, BERT["labels"], (n,), generator=labels))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -161,10 +162,9 @@ def run_plain(workload: str, hf: bool = False, graph: bool = False, profile: boo
         opt.zero_grad(set_to_none=not graph)
         return loss.detach()
 
-    data = iter(loader(workload, warmup + steps + 3))
-    first = {k: v.cuda() for k, v in next(data).items()}
-    if graph:   # the whole step in one graph, on static input tensors
-        static = first
+    data = iter(loader(workload, warmup + steps + 1))
+    if graph:   # the whole step in one graph, on static input tensors (a first batch for the capture)
+        static = {k: v.cuda() for k, v in next(data).items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -247,8 +247,11 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
         strategy = MegatronStrategy(cuda_graph=cuda_graph, cuda_graph_warmup_steps=3)
     torch.manual_seed(0)
     module = Module()
+    # use_distributed_sampler=False: Lightning shuffles the training set of every distributed strategy (ours and
+    # DDP) through its DistributedSampler; the plain loop and "auto" read it in order, and the final losses
+    # are compared on the same batches
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-true",
-                        max_steps=warmup + steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        use_distributed_sampler=False, max_steps=warmup + steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()])
     trainer.fit(module, loader(workload, warmup + steps))
     out = {"step_s": (marks["end"] - marks["start"]) / steps,
