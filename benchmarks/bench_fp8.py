@@ -13,6 +13,8 @@ every configuration:
   casts fuse with the norms / activation / residual adds; ``bf16-compiled-layers``: the same
   compilation without float8 (the yardstick of what compilation alone gives);
   ``fp8-tensorwise-layers-pow2``: also ``round_scales_to_power_of_2=True``;
+- ``fp8-rowwise-experts``: ``Float8Config("rowwise", grouped_experts=True)``: with ``--shape moe``, the MoE
+  experts' grouped GEMMs in float8 too (the other fp8 configurations leave them in bf16, the default);
 - ``bf16-seed1``: bf16 with another initialization seed and the same batches in the same order: the
   natural run-to-run spread of the loss curve, to judge the fp8-vs-bf16 differences against.
 
@@ -28,6 +30,7 @@ curves are compared as means over windows of 10 steps (max relative difference t
     python benchmarks/bench_fp8.py --only fp8-rowwise
     python benchmarks/bench_fp8.py --tiny            # a 2-layer model on the CPU, torchao's emulation: plumbing
     python benchmarks/bench_fp8.py --shape h4096 --configs bf16,fp8-tensorwise-layers --steps 40
+    python benchmarks/bench_fp8.py --shape moe --configs bf16,fp8-rowwise,fp8-rowwise-experts --steps 50
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ SHAPES = {   # --shape: the issue's GPT-1.3B, or fewer, wider layers (how the fl
     "1.3b": dict(GPT),
     "h4096": dict(layers=8, hidden=4096, heads=32, seq=2048, batch=4, vocab=50304),
     "h8192": dict(layers=2, hidden=8192, heads=64, seq=2048, batch=4, vocab=50304),
+    # an MoE GPT: 16 experts top-2 on every layer (SwiGLU, 1408 per expert), dropless, balancing loss 1e-2
+    "moe": dict(layers=12, hidden=2048, heads=16, seq=2048, batch=4, vocab=50304, experts=16, topk=2,
+                expert_ffn=1408),
 }
 STEPS, TIMED_FROM, WINDOW = 200, 20, 10
 LR, LR_WARMUP = 3e-4, 20
@@ -60,6 +66,7 @@ CONFIGS = {   # name: what differs from bf16 (fp8 recipe, Float8Config fields, s
     "fp8-tensorwise-layers-pow2": dict(fp8="tensorwise", compile_layers=True, round_scales_to_power_of_2=True),
     "fp8-rowwise": dict(fp8="rowwise"),
     "fp8-rowwise-layers": dict(fp8="rowwise", compile_layers=True),
+    "fp8-rowwise-experts": dict(fp8="rowwise", grouped_experts=True),   # MoE experts in float8 too
     "fp8-tensorwise-eager": dict(fp8="tensorwise", compile=False, steps=40),
 }
 
@@ -111,7 +118,8 @@ def run_one(name: str, tiny: bool = False) -> dict:
 
     spec = CONFIGS[name]
     recipe, steps = spec.get("fp8"), min(spec.get("steps", STEPS), STEPS)
-    fields = {k: spec[k] for k in ("compile", "compile_layers", "round_scales_to_power_of_2") if k in spec}
+    fields = {k: spec[k] for k in ("compile", "compile_layers", "round_scales_to_power_of_2", "grouped_experts")
+              if k in spec}
     marks = {}
     sync = (lambda: None) if tiny else torch.cuda.synchronize
 
@@ -125,8 +133,14 @@ def run_one(name: str, tiny: bool = False) -> dict:
             if hasattr(self, "model"):
                 return
             g = GPT
+            moe = None
+            if "experts" in g:
+                from lightning_megatron.moe import MoEConfig
+
+                moe = MoEConfig(hidden_size=g["hidden"], ffn_hidden_size=g["expert_ffn"], num_experts=g["experts"],
+                                topk=g["topk"], aux_loss_coeff=1e-2)
             cfg = TransformerConfig(num_layers=g["layers"], hidden_size=g["hidden"], num_attention_heads=g["heads"],
-                                    hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh")
+                                    hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh", moe=moe)
             self.model = GPTModel(cfg, g["vocab"], g["seq"])
             if recipe is not None:
                 self.converted = len(enable_fp8(self.model, Float8Config(recipe, emulate=tiny, **fields)))

@@ -8,10 +8,12 @@ and each variant runs ``GroupedMLP`` (SwiGLU, bf16) forward and forward+backward
                    best a loop can do)
 - ``loop+sync``    the same loop fed device counts: one ``.tolist()`` per call, what a dispatcher
                    that keeps its counts on the GPU pays for a loop
+- ``fp8``          ``enable_fp8``'s float8 grouped experts (torchao's row-wise float8 grouped GEMM on rows
+                   laid out in 16-aligned groups; Hopper + torchao); "max err" is then float8's error
 
 FLOPs = 2·rows·H·F·(2+1) forward (SwiGLU fc1 is 2F wide), 3× that forward+backward. Times are
 medians of CUDA-event timings after warm-up; "vs loop" is the loop's forward+backward time over
-the variant's; "max err" the forward's largest difference from the first variant.
+the variant's; "max err" the forward's largest difference from the first variant (``grouped_mm``, bf16).
 
     python benchmarks/bench_grouped_gemm.py [--iters 30 --warmup 5]
     python benchmarks/bench_grouped_gemm.py --smoke      # tiny sizes; also runs on the CPU
@@ -44,6 +46,14 @@ def token_counts(rows: int, experts: int, skew: str, seed: int = 0) -> torch.Ten
     return torch.bincount(picks, minlength=experts)
 
 
+def float8_grouped_available() -> bool:
+    try:
+        import torchao.prototype.moe_training  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
 def bench_config(name: str, experts: int, hidden: int, ffn: int, tokens: int, topk: int, skew: str,
                  args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> List[Dict[str, object]]:
     torch.manual_seed(0)
@@ -60,10 +70,18 @@ def bench_config(name: str, experts: int, hidden: int, ffn: int, tokens: int, to
     variants: List[Tuple[str, torch.Tensor]] = [("loop", counts_host), ("loop+sync", counts_dev)]
     if grouped_mm_available(device, dtype):
         variants.insert(0, ("grouped_mm", counts_dev))
+        if float8_grouped_available():
+            variants.insert(1, ("fp8", counts_dev))
     flops = 2 * rows * hidden * ffn * 3
     results, reference = [], None
     for impl, counts in variants:
-        mlp.backend = "grouped_mm" if impl == "grouped_mm" else "loop"
+        mlp.backend = "grouped_mm" if impl in ("grouped_mm", "fp8") else "loop"
+        if impl == "fp8":
+            from lightning_megatron.fp8 import Float8GroupedMatmul
+
+            mlp.float8 = Float8GroupedMatmul("bench")
+        else:
+            mlp.float8 = None
         with torch.no_grad():
             out = mlp(x, counts)
         if reference is None:

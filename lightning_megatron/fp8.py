@@ -49,11 +49,22 @@ not bit-identical to TP=1 in float8 but is exactly what ``Float8Linear`` compute
 (``tests/test_fp8.py`` checks it at TP=2). An amax reduction over ranks is needed only to communicate
 float8 tensors (torchao's ``enable_fsdp_float8_all_gather``, float8 all-gathers): both are off.
 
+Grouped MoE experts (``GroupedMLP``) with ``Float8Config(grouped_experts=True)`` (off by default: slower than
+bf16 where measured, see below) run both projections through torchao's float8 grouped GEMM (``torchao.prototype.moe_training``'s
+``_to_fp8_rowwise_then_scaled_grouped_mm``: row-wise power-of-2 scales whatever the recipe of the linear
+layers, the only recipe torchao ships for grouped GEMMs). It needs every expert's row count to be a
+multiple of 16: the rows are laid out in 16-aligned groups on the device (``moe.aligned_groups``; zero
+rows between groups, no host synchronization) and put back after. Each rank's scales cover its own
+experts' rows and weights (expert and expert-tensor parallelism communicate in high precision).
+Measured on an H100 (torch 2.11, torchao 0.18): the float8 grouped GEMMs take 0.65x the bf16 ones' time,
+but torchao's casts (weights re-cast every forward and backward) and the aligned layout cost more than
+that saves: 0.67x the bf16 grouped GEMM's speed at 64 experts, hidden 4096, and 0.69x the tokens/s of an
+MoE GPT with its experts in bf16 (``benchmarks/RESULTS.md``). Hence off by default.
+
 Not converted: the vocabulary-parallel output layer / tied embedding (kept in high precision, as is
-usual), the grouped MoE experts (``GroupedMLP``: torchao's float8 grouped GEMM is a prototype that
-needs every expert's token count to be a multiple of 16; a warning names them), layers whose local
-weight is not a multiple of 16 in both dimensions (float8 GEMMs need it; skipped with one warning
-naming them). The number of tokens of a layer's input (batch x sequence, per tp rank before any
+usual), layers whose local weight is not a multiple of 16 in both dimensions (float8 GEMMs need it;
+skipped with one warning naming them), grouped experts without ``grouped_experts=True`` or with
+``emulate=True`` (torchao's grouped GEMM has no emulation; a warning names them). The number of tokens of a layer's input (batch x sequence, per tp rank before any
 sequence-parallel gather) must be a multiple of 16 for the backward; otherwise the layer raises a
 ``ValueError`` naming it.
 """
@@ -112,6 +123,9 @@ class Float8Config:
         round_scales_to_power_of_2: round every float8 scale down to a power of 2 (torchao's
             ``Float8LinearConfig.round_scales_to_power_of_2``: the scaling is exact in floating point);
             ``None`` (default): the recipe's own setting (off for tensorwise, on for rowwise).
+        grouped_experts: run the grouped MoE experts' GEMMs in float8 too (torchao's row-wise float8
+            grouped GEMM, a torchao prototype; needs a GPU of compute capability 9.0+). Default False:
+            measured slower than bf16 on an H100 (torch 2.11, torchao 0.18; see the module docstring).
     """
 
     recipe: str = "tensorwise"
@@ -121,12 +135,13 @@ class Float8Config:
     module_filter_fn: Optional[FilterFn] = None
     compile_layers: bool = False
     round_scales_to_power_of_2: Optional[bool] = None
+    grouped_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"fp8 recipe {self.recipe!r} is not one of {list(RECIPES)} (torchao's float8 "
                              f"training recipes); use fp8=None to train without float8.")
-        for name in ("compile", "emulate", "auto_filter", "compile_layers"):
+        for name in ("compile", "emulate", "auto_filter", "compile_layers", "grouped_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.round_scales_to_power_of_2 is not None and not isinstance(self.round_scales_to_power_of_2, bool):
@@ -274,6 +289,48 @@ class Float8Matmul:
         return self.config.recipe + (" (emulated)" if self.config.emulate else "")
 
 
+class Float8GroupedMatmul:
+    """A ``GroupedMLP``'s grouped GEMM ``a [R, K] x b_t [E, K, N]`` in float8 (what :func:`enable_fp8` puts
+    in its ``float8`` attribute): torchao's row-wise float8 grouped matmul, forward and backward. Groups
+    must be ``alignment``-aligned (``GroupedMLP.aligned_forward`` lays the rows out so)."""
+
+    alignment = ALIGNMENT
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, a: torch.Tensor, b_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if a.device.type != "cuda":
+            raise RuntimeError(f"{self.name}: float8 grouped experts run on a CUDA GPU, but the input is on "
+                               f"{a.device}. Move the model to the GPU, or Float8Config(grouped_experts=False).")
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        dtype = a.dtype
+        if torch.is_autocast_enabled("cuda"):   # the output has the autocast dtype, as a float8 linear's
+            dtype = torch.get_autocast_dtype("cuda")
+        out = _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offsets, out_dtype=torch.bfloat16,
+                                                     pad_token_groups_for_grouped_mm=False)
+        return out if dtype == torch.bfloat16 else out.to(dtype)
+
+    def __repr__(self) -> str:
+        return "rowwise grouped"
+
+
+def _check_grouped_float8_supported() -> None:
+    """torchao's float8 grouped GEMM: importable (Triton) and a GPU with grouped GEMMs (compute capability 9.0+)."""
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"Float8Config(grouped_experts=True) needs torchao's float8 grouped GEMM "
+                          f"(torchao.prototype.moe_training, with Triton), which did not import ({err}); "
+                          f"use Float8Config(grouped_experts=False) to keep the experts in high precision.") from err
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (9, 0):
+        raise RuntimeError(f"Float8Config(grouped_experts=True): float8 grouped GEMMs need a GPU of compute "
+                           f"capability >= 9.0 (Hopper), this one is {major}.{minor}; use "
+                           f"Float8Config(grouped_experts=False) to keep the experts in high precision.")
+
+
 def _auto_keeps(config: Float8Config, name: str, out_features: int, in_features: int) -> bool:
     """torchao's size heuristic for ``config.recipe``, on a meta ``nn.Linear`` of this rank's shape."""
     from torchao.float8 import _auto_filter_for_recipe
@@ -327,8 +384,9 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
     compiled whole, in place (``ValueError`` at tensor- or context-parallel size > 1).
 
     Raises ``ImportError`` without torchao and ``RuntimeError`` without a CUDA GPU of compute capability
-    >= 8.9, each naming the fix. Layers whose local weight is not a multiple of 16 in both dimensions stay
-    in high precision (one warning names them), as do grouped MoE experts (a warning names them).
+    >= 8.9 (9.0 for grouped experts), each naming the fix. Layers whose local weight is not a multiple of 16
+    in both dimensions stay in high precision (one warning names them); grouped MoE experts run in float8
+    with ``Float8Config(grouped_experts=True)`` only (otherwise, or with ``emulate=True``, a warning names them).
     """
     config = fp8_config(fp8)
     if config is None:
@@ -347,7 +405,8 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
 
     converted: List[str] = []
     misaligned: List[str] = []
-    experts: List[str] = []
+    experts: List[str] = []           # grouped experts left in high precision (emulation)
+    grouped_checked: List[bool] = []
 
     def keep(module: nn.Module, name: str, out_features: int, in_features: int) -> bool:
         if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
@@ -364,7 +423,21 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
                 module.float8 = Float8Matmul(config, name or type(module).__name__)
                 converted.append(name)
         elif isinstance(module, GroupedMLP):
-            experts.append(name)
+            label = name or type(module).__name__
+            local_ffn = module.weight2.shape[-1]
+            if not config.grouped_experts or config.emulate:
+                experts.append(label)
+            elif config.module_filter_fn is not None and not config.module_filter_fn(module, name):
+                continue
+            elif module.hidden_size % ALIGNMENT or local_ffn % ALIGNMENT:
+                misaligned.append(f"{label} (GroupedMLP, hidden {module.hidden_size}, ffn per expert on this rank "
+                                  f"{local_ffn})")
+            else:
+                if not grouped_checked:
+                    _check_grouped_float8_supported()
+                    grouped_checked.append(True)
+                module.float8 = Float8GroupedMatmul(label)
+                converted.append(name)
 
     swapped: List[str] = []
 
@@ -391,12 +464,15 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
                       f"multiple of {ALIGNMENT} in both dimensions (float8 GEMMs need it): {', '.join(misaligned)}.",
                       UserWarning, stacklevel=2)
     if experts:
-        warnings.warn(f"fp8={config.recipe!r}: the grouped MoE experts stay in high precision (float8 grouped "
-                      f"GEMMs are not supported yet): {', '.join(experts)}.", UserWarning, stacklevel=2)
+        why = ("with emulate=True (torchao's float8 grouped GEMM has no emulation)" if config.grouped_experts else
+               "(Float8Config(grouped_experts=True) runs them in float8: slower than bf16 on an H100 with torchao "
+               "0.18, measured)")
+        warnings.warn(f"fp8={config.recipe!r}: the grouped MoE experts stay in high precision {why}: "
+                      f"{', '.join(experts)}.", UserWarning, stacklevel=2)
     if not converted:
         warnings.warn(f"fp8={config.recipe!r}: enable_fp8 found no linear layer to convert in "
                       f"{type(model).__name__}.", UserWarning, stacklevel=2)
     return converted
 
 
-__all__ = ["Float8Config", "Float8Matmul", "RECIPES", "check_fp8_supported", "enable_fp8", "fp8_config"]
+__all__ = ["Float8Config", "Float8GroupedMatmul", "Float8Matmul", "RECIPES", "check_fp8_supported", "enable_fp8", "fp8_config"]

@@ -10,6 +10,10 @@ counts never have to reach the host. Three kernels, picked per call:
 - ``"loop"``: one matmul per expert. Splitting needs the counts on the host: free for CPU
   tensors, one device→host copy on a GPU (the fallback the benchmark compares against).
 
+``float8`` (set by ``lightning_megatron.fp8.enable_fp8``) replaces all three: a grouped GEMM whose
+groups must be aligned (float8: multiples of 16), run on the rows laid out by
+``aligned_groups.align_groups`` -- still no host synchronization.
+
 Weights are initialized shard-consistently: global expert ``e`` is drawn from a generator
 seeded with ``base + e`` (``base`` drawn once from the default generator, identical on every
 rank) as a full float32 master, and each rank keeps its etp slice. EP=N therefore holds exactly
@@ -19,7 +23,7 @@ the numbers EP=1 holds, whatever the layout.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from ..tensor_parallel.layers import (
     ColumnParallelLinear, InitMethod, RowParallelLinear, init_method_normal, init_sharded_,
 )
 from ..tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
+from .aligned_groups import align_groups
 
 ACTIVATIONS = ("swiglu", "gelu")
 BACKENDS = ("auto", "grouped_mm", "loop", "bmm")
@@ -98,6 +103,8 @@ class GroupedMLP(nn.Module):
         self.num_local_experts, self.hidden_size, self.ffn_hidden_size = num_local_experts, hidden_size, ffn_hidden_size
         self.activation, self.backend = activation, backend
         self.first_expert, self.etp_size, self.etp_rank = first_expert, etp_size, etp_rank
+        # (a [R, K], b_t [E, K, N], offsets) -> [R, N] per group, groups aligned to its ``alignment``
+        self.float8: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
         n = 2 if activation == "swiglu" else 1
         ffn_local = divide(ffn_hidden_size, etp_size, "ffn_hidden_size", by="expert tensor-parallel size (etp)")
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, n * ffn_local, hidden_size,
@@ -146,6 +153,10 @@ class GroupedMLP(nn.Module):
         if w1.shape[1:] != self.weight1.shape[1:] or w2.shape[1:] != self.weight2.shape[1:]:
             raise ValueError(f"weights must be shaped [n, *{tuple(self.weight1.shape[1:])}] and "
                              f"[n, *{tuple(self.weight2.shape[1:])}], got {tuple(w1.shape)} and {tuple(w2.shape)}.")
+        if self.float8 is not None:
+            counts = tokens_per_expert if rows_per_expert is None else torch.full(
+                (w1.shape[0],), rows_per_expert, device=x.device)
+            return self.aligned_forward(x, counts, w1, w2, self.float8)
         if backend == "bmm":
             if rows_per_expert is None:
                 raise ValueError("backend='bmm' needs rows_per_expert (every expert the same row count).")
@@ -161,10 +172,18 @@ class GroupedMLP(nn.Module):
                 for i, rows in enumerate(x.split(counts, dim=0))]
         return torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.hidden_size)
 
+    def aligned_forward(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor,
+                        grouped_mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """Both projections through ``grouped_mm`` on the aligned layout (zero rows between groups), then
+        the real rows back in their order."""
+        aligned, rows, offsets = align_groups(x, counts, grouped_mm.alignment)
+        h = _activate(grouped_mm(aligned, w1.transpose(1, 2), offsets), self.activation)
+        return grouped_mm(h, w2.transpose(1, 2), offsets).index_select(0, rows)
+
     def extra_repr(self) -> str:
         return (f"local_experts={self.num_local_experts} (from {self.first_expert}), hidden={self.hidden_size}, "
                 f"ffn={self.ffn_hidden_size} (etp {self.etp_size}), activation={self.activation}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}" + (f", float8={self.float8!r}" if self.float8 is not None else ""))
 
 
 class SharedExpertMLP(nn.Module):
