@@ -4,6 +4,7 @@
   ``[tool.lightning-megatron] test-no-deps`` (installed with ``--no-deps``). A missing one fails the
   run at its start; it never turns into skipped tests and a green CI.
 - Tests marked ``gpu`` are skipped on a machine without CUDA (they run on the device machine).
+- ``one_rank``: a one-process world and ParallelState for tests that drive parallel layers directly.
 """
 
 import os
@@ -82,3 +83,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-process world (NCCL on a GPU, else gloo) and an active tp=1 ParallelState: what parallel layers
+    look their groups up in when a test drives them without the strategy."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0, world_size=1)
+    state = ParallelState(ParallelLayout(1)).activate()
+    yield state
+    state.destroy()
+    if created:
+        dist.destroy_process_group()

@@ -2,9 +2,7 @@
 what each tensor-parallel rank's scales are computed over (CPU, torchao's emulation), and on a GPU:
 equality with torchao's ``Float8Linear``, closeness to bfloat16, CUDA-graph capture."""
 
-import os
 import sys
-import tempfile
 import types
 
 import pytest
@@ -13,26 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_megatron.fp8 import Float8Config, enable_fp8, fp8_config
-from lightning_megatron.parallel import ParallelLayout, ParallelState
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 EMULATED = dict(compile=False, emulate=True)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-process world and an active tp=1 ParallelState (what the layers look their group up in)."""
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0, world_size=1)
-    state = ParallelState(ParallelLayout(1)).activate()
-    yield state
-    state.destroy()
-    if created:
-        dist.destroy_process_group()
 
 
 def tiny_gpt(**overrides):

@@ -1,36 +1,15 @@
 """Float8 grouped MoE experts (``Float8Config(grouped_experts=True)``, off by default): which experts convert
-(CPU), and on
-a Hopper GPU: closeness to the bfloat16 grouped GEMM in outputs and every gradient, no host sync,
+(CPU), and on a Hopper GPU: closeness to the bfloat16 grouped GEMM in outputs and every gradient, no host sync,
 CUDA-graph capture, and an MoE GPT trained in float8 next to bfloat16."""
-
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_megatron.fp8 import Float8Config, Float8GroupedMatmul, enable_fp8
 from lightning_megatron.moe import GroupedMLP, MoEConfig
-from lightning_megatron.parallel import ParallelLayout, ParallelState
 
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                   reason="float8 grouped GEMMs need a CUDA GPU of compute capability >= 9.0")
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0, world_size=1)
-    state = ParallelState(ParallelLayout(1)).activate()
-    yield state
-    state.destroy()
-    if created:
-        dist.destroy_process_group()
 
 
 def moe_gpt(hidden=64, ffn=64, experts=4, vocab=128, seq=32, device=None):
