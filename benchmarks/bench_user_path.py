@@ -251,8 +251,9 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
     # DDP) through its DistributedSampler; the plain loop and "auto" read it in order, and the final losses
     # are compared on the same batches
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-true",
-                        use_distributed_sampler=False, max_steps=warmup + steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()])
+                        use_distributed_sampler=False, max_steps=warmup + steps, gradient_clip_val=1.0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Clock()])
     trainer.fit(module, loader(workload, warmup + steps))
     out = {"step_s": (marks["end"] - marks["start"]) / steps,
            "final_loss": float(trainer.callback_metrics["train_loss"]),

@@ -50,9 +50,9 @@ not bit-identical to TP=1 in float8 but is exactly what ``Float8Linear`` compute
 float8 tensors (torchao's ``enable_fsdp_float8_all_gather``, float8 all-gathers): both are off.
 
 Grouped MoE experts (``GroupedMLP``) with ``Float8Config(grouped_experts=True)`` (off by default: slower than
-bf16 where measured, see below) run both projections through torchao's float8 grouped GEMM (``torchao.prototype.moe_training``'s
-``_to_fp8_rowwise_then_scaled_grouped_mm``: row-wise power-of-2 scales whatever the recipe of the linear
-layers, the only recipe torchao ships for grouped GEMMs). It needs every expert's row count to be a
+bf16 where measured, see below) run both projections through torchao's float8 grouped GEMM
+(``torchao.prototype.moe_training``'s ``_to_fp8_rowwise_then_scaled_grouped_mm``: row-wise power-of-2 scales
+whatever the recipe of the linear layers, the only recipe torchao ships for grouped GEMMs). It needs every expert's row count to be a
 multiple of 16: the rows are laid out in 16-aligned groups on the device (``moe.aligned_groups``; zero
 rows between groups, no host synchronization) and put back after. Each rank's scales cover its own
 experts' rows and weights (expert and expert-tensor parallelism communicate in high precision).
@@ -64,9 +64,9 @@ MoE GPT with its experts in bf16 (``benchmarks/RESULTS.md``). Hence off by defau
 Not converted: the vocabulary-parallel output layer / tied embedding (kept in high precision, as is
 usual), layers whose local weight is not a multiple of 16 in both dimensions (float8 GEMMs need it;
 skipped with one warning naming them), grouped experts without ``grouped_experts=True`` or with
-``emulate=True`` (torchao's grouped GEMM has no emulation; a warning names them). The number of tokens of a layer's input (batch x sequence, per tp rank before any
-sequence-parallel gather) must be a multiple of 16 for the backward; otherwise the layer raises a
-``ValueError`` naming it.
+``emulate=True`` (torchao's grouped GEMM has no emulation; a warning names them). The number of tokens of a
+layer's input (batch x sequence, per tp rank before any sequence-parallel gather) must be a multiple of 16 for
+the backward; otherwise the layer raises a ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
 
     converted: List[str] = []
     misaligned: List[str] = []
-    experts: List[str] = []           # grouped experts left in high precision (emulation)
+    experts: List[str] = []           # grouped experts left in high precision (the default, or emulation)
     grouped_checked: List[bool] = []
 
     def keep(module: nn.Module, name: str, out_features: int, in_features: int) -> bool:
@@ -475,4 +475,5 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
     return converted
 
 
-__all__ = ["Float8Config", "Float8GroupedMatmul", "Float8Matmul", "RECIPES", "check_fp8_supported", "enable_fp8", "fp8_config"]
+__all__ = ["Float8Config", "Float8GroupedMatmul", "Float8Matmul", "RECIPES", "check_fp8_supported", "enable_fp8",
+           "fp8_config"]

@@ -112,7 +112,7 @@ MUTATIONS: List[Mutation] = [
              "set_aux_loss_scale(self.routers, aux_loss_scale, per_token=True)",
              "set_aux_loss_scale(self.routers, aux_loss_scale * state.cp_size, per_token=True)",
              (f"{PER_TOKEN}::test_per_token_moe_weighs_balancing_losses_by_tokens[cp2]",), ci=False),
-    # clipping by the whole model's norm
+    # bf16-true: the step is a plain PyTorch loop's, bit for bit
     Mutation("bf16-grad-buffers-float32-unasked", "lightning_megatron/distributed/data_parallel.py",
              "grad_dtype = torch.float32 if grad_reduce_in_fp32 and dtype in",
              "grad_dtype = torch.float32 if dtype in",
@@ -121,6 +121,7 @@ MUTATIONS: List[Mutation] = [
              "torch._foreach_mul_(grads, coefficient.to(device=grad_device, dtype=dtype))",
              "torch._foreach_mul_(grads, coefficient.to(device=grad_device))",
              ("tests/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[one-micro-batch]",)),
+    # clipping by the whole model's norm
     Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
              "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",
              ("tests/test_strategy.py::test_losses_match_single_process_with_clipping[tp2]",), ci=False),

@@ -74,7 +74,6 @@ class _Module(L.LightningModule):
         from lightning_megatron.models import GPTModel
 
         torch.set_num_threads(1)   # Lightning's launcher set cpu_count // processes: the plain loop's count
-
         self.model = GPTModel(_config(), VOCAB, SEQ)
 
     def training_step(self, batch, batch_idx):
@@ -91,9 +90,9 @@ class _Module(L.LightningModule):
 def _through_the_trainer(strategy_kwargs):
     torch.manual_seed(0)
     module = _Module()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(**strategy_kwargs), precision="bf16-true",
-                        max_steps=STEPS, gradient_clip_val=1.0, use_distributed_sampler=False, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MegatronStrategy(**strategy_kwargs),
+                        precision="bf16-true", max_steps=STEPS, gradient_clip_val=1.0, use_distributed_sampler=False,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(_batches(), batch_size=None))
     return {"losses": module.losses, "params": module.params}
 
@@ -112,9 +111,9 @@ def test_bf16_true_steps_are_the_plain_loop_bit_for_bit(name):
     assert torch.equal(torch.stack(ours["losses"]), torch.stack(plain["losses"]).to(ours["losses"][0].dtype))
     for step, (mine, reference) in enumerate(zip(ours["params"], plain["params"])):
         assert mine.keys() == reference.keys()
-        for name in reference:
-            assert mine[name].dtype == torch.bfloat16, name
-            assert torch.equal(mine[name], reference[name]), f"step {step}: {name} differs"
+        for key in reference:
+            assert mine[key].dtype == torch.bfloat16, key
+            assert torch.equal(mine[key], reference[key]), f"step {step}: {key} differs"
     # the updates are real: every step moved the weights (a frozen model would also be "equal")
     first, last = plain["params"][0], plain["params"][-1]
     assert all(not torch.equal(first[n], last[n]) for n in first if n.endswith("weight"))
