@@ -47,6 +47,7 @@ from .precision import parallel_precision
 from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
+from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 class MegatronStrategy(ParallelStrategy):
@@ -356,12 +357,16 @@ class MegatronStrategy(ParallelStrategy):
         return broadcast_from_last_stage(_to_cpu(out), self._state())   # rank 0 holds the first stage
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Training loaders resume mid-epoch exactly (Lightning alone replays the epoch's batches)."""
+        """A user's DistributedSampler must shard by data-parallel rank (checked on every rank, raised on every
+        rank); training loaders resume mid-epoch exactly (Lightning alone replays the epoch's batches)."""
         from lightning.pytorch.trainer.states import RunningStage
         from torch.utils.data import DataLoader
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-
+        shards = self.distributed_sampler_kwargs
+        if self.reduce_boolean_decision(sampler_shards_wrongly(dataloader, **shards), all=False):
+            stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "evaluation"
+            raise ValueError(wrong_sampler_message(dataloader, stage, shards["num_replicas"]))
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
             return ResumableLoader(dataloader)
         return dataloader

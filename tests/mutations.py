@@ -121,6 +121,11 @@ MUTATIONS: List[Mutation] = [
              "torch._foreach_mul_(grads, coefficient.to(device=grad_device, dtype=dtype))",
              "torch._foreach_mul_(grads, coefficient.to(device=grad_device))",
              ("tests/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[one-micro-batch]",)),
+    # data: a user's DistributedSampler by global rank would feed tensor-parallel peers different samples
+    Mutation("sampler-by-global-rank-accepted", "lightning_megatron/sampler_check.py",
+             "sampler.num_replicas != num_replicas or sampler.rank != rank",
+             "sampler.num_replicas < 0",
+             ("tests/test_sampler_check.py::test_a_sampler_by_global_rank_is_refused_on_every_rank[tp2]",)),
     # clipping by the whole model's norm
     Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
              "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",
