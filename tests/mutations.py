@@ -126,6 +126,11 @@ MUTATIONS: List[Mutation] = [
              "sampler.num_replicas != num_replicas or sampler.rank != rank",
              "sampler.num_replicas < 0",
              ("tests/test_sampler_check.py::test_a_sampler_by_global_rank_is_refused_on_every_rank[tp2]",)),
+    # clipping by value: every gradient element, wherever the optimizer holds it
+    Mutation("clip-by-value-skipped", "lightning_megatron/precision.py",
+             "        torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed\n",
+             "        pass\n",
+             ("tests/test_strategy_updates.py::test_value_clipping_matches_single_process[dp4-distopt]",), ci=False),
     # clipping by the whole model's norm
     Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
              "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",

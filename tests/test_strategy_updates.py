@@ -113,3 +113,22 @@ def test_moe_updates_with_balancing_losses_match_single_process(moe_reference, n
         assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
         if kwargs.get("pipeline_model_parallel_size", 1) == 1:   # the last stage holds every router
             assert rank_out["logged"] == pytest.approx(ref["logged"], rel=1e-5)
+
+
+VALUE_CLIPPING = dict(gradient_clip_val=0.002, gradient_clip_algorithm="value")   # active on most gradients
+
+
+@pytest.fixture(scope="module")
+def value_clipped_reference():
+    return run_on_ranks(fit_and_record, 1, dict(), trainer_kwargs=VALUE_CLIPPING, timeout=120)[0]
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp4-distopt"])
+def test_value_clipping_matches_single_process(value_clipped_reference, dense_reference, name):
+    """``gradient_clip_algorithm="value"`` clips each reduced gradient element (on the optimizer's shard
+    under the distributed optimizer) as one process clips its own."""
+    world, kwargs = DENSE[name]
+    out = run_on_ranks(fit_and_record, world, kwargs, trainer_kwargs=VALUE_CLIPPING, timeout=240)
+    assert_same_updates(out[0]["params"], value_clipped_reference["params"])
+    with pytest.raises(AssertionError):   # the clipping is active: unclipped updates differ
+        assert_same_updates(value_clipped_reference["params"], dense_reference["params"])
