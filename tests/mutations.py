@@ -118,8 +118,8 @@ MUTATIONS: List[Mutation] = [
              "grad_dtype = torch.float32 if dtype in",
              ("tests/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[grad-buffers]",)),
     Mutation("bf16-clip-coefficient-float32", "lightning_megatron/distributed/clip.py",
-             "torch._foreach_mul_(grads, coefficient.to(device=grad_device, dtype=dtype))",
-             "torch._foreach_mul_(grads, coefficient.to(device=grad_device))",
+             "torch._foreach_mul_(same, factor.to(device=grad_device, dtype=dtype))",
+             "torch._foreach_mul_(same, factor.to(device=grad_device))",
              ("tests/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[one-micro-batch]",)),
     # data: a user's DistributedSampler by global rank would feed tensor-parallel peers different samples
     Mutation("sampler-by-global-rank-accepted", "lightning_megatron/sampler_check.py",

@@ -93,12 +93,17 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: Paral
     """``torch.nn.utils.clip_grad_norm_`` over the parallel model: same norm, same coefficient."""
     params: List[nn.Parameter] = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, state, norm_type, sharded, device, plan)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for (grad_device, dtype), grads in _by_device_and_dtype([p.grad for p in params]).items():
-        # one foreach kernel per (device, dtype), the coefficient in the gradients' dtype: a float32
-        # coefficient on bf16 gradients would take the slow type-promoting path, one kernel per tensor
-        torch._foreach_mul_(grads, coefficient.to(device=grad_device, dtype=dtype))
+    scale_grads_([p.grad for p in params], torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def scale_grads_(grads: Iterable[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the device scalar ``factor`` (no host sync): one foreach kernel per
+    (device, dtype), the factor cast to the gradients' dtype -- a float32 factor on bf16 gradients would take
+    the slow type-promoting path, one kernel per tensor (bf16 gradients are so scaled by a bf16-rounded
+    factor, as CUDA does for a device scalar anyway)."""
+    for (grad_device, dtype), same in _by_device_and_dtype(grads).items():
+        torch._foreach_mul_(same, factor.to(device=grad_device, dtype=dtype))
 
 
 def _by_device_and_dtype(grads: Iterable[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:

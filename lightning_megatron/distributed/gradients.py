@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import GradientConfig
 from ..parallel import ParallelState
-from .clip import ClipPlan, clip_grad_norm, clip_plan
+from .clip import ClipPlan, clip_grad_norm, clip_plan, scale_grads_
 from .data_parallel import DataParallelGrads, default_bucket_size
 from .distributed_optimizer import DistributedOptimizer
 from .finalize import finalize_model_grads
@@ -118,14 +118,9 @@ class GradientState:
         a device scalar anyway (and Megatron-Core's ``scale_gradients``): bf16 gradients are scaled by a
         factor within 0.2% of the exact one (``grad_reduce_in_fp32=True`` keeps it exact)."""
         if self.buffers is not None:
-            grads = [buffer.data for buffer in self.buffers.buffers]
+            scale_grads_([buffer.data for buffer in self.buffers.buffers], factor)
         else:
-            grads = [p.grad for p in self.params if p.grad is not None]
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for grad in grads:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        for dtype, same in by_dtype.items():
-            torch._foreach_mul_(same, factor.to(dtype=dtype))
+            scale_grads_([p.grad for p in self.params if p.grad is not None], factor)
 
     def clip_by_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (the optimizer's) so the whole model's norm is at most ``max_norm``."""
