@@ -40,11 +40,8 @@ class PretrainingModule(L.LightningModule, ABC):
         default all): their mean, or under ``MegatronStrategy(calculate_per_token_loss=True)`` their sum and
         count, which the strategy divides by the global batch's count (exact when rows, micro-batches and
         ranks hold different numbers of labelled tokens). Logs ``train_loss``, this batch's mean."""
-        if counted is None:
-            total, count = losses.sum(), torch.full((), losses.numel(), dtype=torch.float32, device=losses.device)
-        else:
-            total, count = (losses * counted).sum(), counted.sum().float()
-        mean = total / count.clamp(min=1.0)
+        total, count = _sum_and_count(losses, counted)
+        mean = total / count.clamp(min=1.0)   # masked_mean, from the sum and count returned below
         self.log("train_loss", mean, prog_bar=True, sync_dist=True)
         strategy = self._trainer.strategy if self._trainer is not None else None
         if getattr(strategy, "calculate_per_token_loss", False):
@@ -60,3 +57,16 @@ class PretrainingModule(L.LightningModule, ABC):
             per_sequence = self._flops_per_sequence[s] = training_flops_per_sequence(
                 self.transformer_config(), s, self.hparams.vocab_size)
         return b * per_sequence
+
+
+def _sum_and_count(losses: torch.Tensor, counted: Optional[torch.Tensor]) -> tuple:
+    """The sum of the counted token losses and how many were counted (a float32 device scalar)."""
+    if counted is None:
+        return losses.sum(), torch.full((), losses.numel(), dtype=torch.float32, device=losses.device)
+    return (losses * counted).sum(), counted.sum().float()
+
+
+def masked_mean(losses: torch.Tensor, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mean of the counted token losses (0 when none is counted)."""
+    total, count = _sum_and_count(losses, counted)
+    return total / count.clamp(min=1.0)

@@ -9,7 +9,7 @@ import torch
 
 from ..models.llama import LlamaModel, llama_config
 from ..transformer import TransformerConfig
-from .base import PretrainingModule
+from .base import PretrainingModule, masked_mean
 
 IGNORE_INDEX = -100
 
@@ -46,8 +46,7 @@ class LlamaPretraining(PretrainingModule):
                           document_ids=batch.get("document_ids"))
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        counted = (batch["labels"] != IGNORE_INDEX).float()
-        return (self(batch) * counted).sum() / counted.sum().clamp(min=1.0)
+        return masked_mean(self(batch), (batch["labels"] != IGNORE_INDEX).float())
 
     def training_step(self, batch: dict, batch_idx: int) -> Union[torch.Tensor, dict]:
         return self.token_loss(self(batch), (batch["labels"] != IGNORE_INDEX).float())
