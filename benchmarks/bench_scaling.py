@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from timing import gpu_busy_ms   # benchmarks/timing.py (this folder is on sys.path when run as a script)
+
 NOMINAL_PEAK = 790e12
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
 MOE = dict(layers=12, hidden=1024, heads=16, seq=4096, vocab=50304, experts=8, topk=2, expert_ffn=2816)
@@ -112,20 +114,6 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
 
 
-def compute_ms(prof, steps: int) -> float:
-    """GPU busy time per step of every kernel but NCCL's (they run beside compute, waiting for peers): the
-    union of the kernels' time intervals, so that a kernel reported twice or two streams' overlapping kernels
-    count once (a plain sum over ``key_averages()`` gave twice the step's wall time here, H100, torch 2.11)."""
-    intervals = sorted({(e.time_range.start, e.time_range.end) for e in prof.events()
-                        if e.device_type.name == "CUDA" and "nccl" not in e.name.lower()})
-    busy_us, end = 0.0, float("-inf")
-    for start, stop in intervals:
-        if stop > end:
-            busy_us += stop - max(start, end)
-            end = stop
-    return busy_us / steps / 1e3
-
-
 def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> None:
     import lightning as L
     import torch.distributed as dist
@@ -176,7 +164,7 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
             if gpu:
                 torch.cuda.synchronize()
                 marks["profiler"].__exit__(None, None, None)
-                marks["compute_ms"] = compute_ms(marks["profiler"], PROFILED)
+                marks["compute_ms"] = gpu_busy_ms(marks["profiler"], PROFILED, skip=("nccl",))
 
     strategy = MegatronStrategy(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                 virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,

@@ -30,6 +30,7 @@ import time
 import torch
 
 from bench_gpt import NOMINAL_PEAK, measured_peak   # the same peak measurement as the model benchmark
+from timing import gpu_busy_ms, gpu_kernels
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, batch=4, vocab=50304)
 BERT = dict(layers=12, hidden=768, heads=12, seq=128, batch=4, vocab=30522, labels=3)
 # Llama-3.2-1B's shape (tied embeddings, 8 kv heads) at sequence 4096
@@ -278,17 +279,18 @@ def start_profiler():
 def stop_profiler(prof, steps: int) -> dict:
     torch.cuda.synchronize()
     prof.__exit__(None, None, None)
-    counts, kernels = {}, {}
+    counts = {}
     for event in prof.key_averages():
         if event.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                          "aten::_local_scalar_dense", "aten::item", "cudaMemcpyAsync", "cudaLaunchKernel",
                          "cudaGraphLaunch", "Memcpy HtoD (Pageable -> Device)", "Memcpy DtoH (Device -> Pageable)"):
             counts[event.key] = event.count / steps
-        if event.device_type.name == "CUDA":   # kernels and copies as the GPU ran them
-            device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-            kernels[event.key[:80]] = (round(device_us / steps / 1e3, 4), event.count / steps)
-    counts["gpu_ms_per_step"] = round(sum(ms for ms, _ in kernels.values()), 3)
-    counts["kernels"] = kernels
+    kernels = {}   # kernels and copies as the GPU ran them: name -> (ms per step, calls per step)
+    for name, start, stop in gpu_kernels(prof):
+        ms, calls = kernels.get(name[:80], (0.0, 0.0))
+        kernels[name[:80]] = (ms + (stop - start) / 1e3 / steps, calls + 1 / steps)
+    counts["gpu_ms_per_step"] = round(gpu_busy_ms(prof, steps), 3)
+    counts["kernels"] = {name: (round(ms, 4), calls) for name, (ms, calls) in kernels.items()}
     return counts
 
 

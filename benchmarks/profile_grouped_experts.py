@@ -12,6 +12,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from timing import gpu_kernels   # benchmarks/timing.py (this folder is on sys.path when run as a script)
+
 from lightning_megatron.fp8 import Float8GroupedMatmul
 from lightning_megatron.moe import GroupedMLP
 
@@ -56,11 +58,10 @@ def main() -> None:
                 mlp(x, counts).backward(grad)
             torch.cuda.synchronize()
         totals, kernels = defaultdict(float), defaultdict(float)
-        for event in prof.key_averages():
-            if event.device_type.name == "CUDA":
-                ms = (getattr(event, "device_time_total", None) or event.cuda_time_total) / 1e3 / args.iters
-                totals[family(event.key)] += ms
-                kernels[event.key[:90]] += ms
+        for kernel, start, stop in gpu_kernels(prof):
+            ms = (stop - start) / 1e3 / args.iters
+            totals[family(kernel)] += ms
+            kernels[kernel[:90]] += ms
         print(f"\n{name}: {sum(totals.values()):.2f} ms GPU per forward+backward")
         for fam, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
             print(f"  {fam:<40} {ms:7.2f} ms")
