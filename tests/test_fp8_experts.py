@@ -99,6 +99,7 @@ def test_gpu_float8_experts_are_close_to_bfloat16_without_host_syncs(one_rank, a
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.isfinite(a).all(), name
         assert _relative_error(a, b) < 0.08, (name, _relative_error(a, b))   # float8 e4m3: ~2-5% here
+        assert _relative_error(a, b) > 1e-3, name   # and float8 really ran (a bf16 fallback would match)
     # the empty experts get exactly zero weight gradients (no padding row leaks into them)
     assert not got[2][1].any() and not got[2][6].any() and not got[3][1].any()
 
@@ -168,5 +169,6 @@ def test_gpu_moe_gpt_trains_in_float8_like_bfloat16(one_rank):
             optimizer.zero_grad(set_to_none=True)
             losses[name].append(loss.item())
     assert losses["fp8"][-1] < 0.8 * losses["fp8"][0]          # it learns
+    assert losses["fp8"] != losses["bf16"]                     # in float8: not bf16's numbers
     for a, b in zip(losses["fp8"], losses["bf16"]):
         assert a == pytest.approx(b, rel=0.05), (losses["fp8"], losses["bf16"])
