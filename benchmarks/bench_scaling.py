@@ -190,6 +190,10 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                   "final_loss": float(trainer.callback_metrics["train_loss"])}
         with open(out_path, "w") as f:
             json.dump(result, f)
+    # Every group goes before the interpreter does: a rank that exited with live gloo groups while its peer
+    # was still writing aborted once in CI ("terminate called without an active exception", SIGABRT).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # -- the driver ---------------------------------------------------------------------------------------------------
