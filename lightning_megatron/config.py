@@ -110,4 +110,14 @@ class CudaGraphConfig:
                              "overlap_grad_reduce and grad_reduce_in_fp32, or use cuda_graph='partial'.")
 
 
-__all__ = ["CudaGraphConfig", "GradientConfig", "ParallelConfig"]
+def check_per_token_accumulation(calculate_per_token_loss: bool, accumulate_grad_batches: int) -> None:
+    """Per-token losses divide by one step's token count, which accumulation over batches would split."""
+    if calculate_per_token_loss and accumulate_grad_batches > 1:
+        raise ValueError(
+            "calculate_per_token_loss=True divides the gradients by one step's global token count, which "
+            f"accumulate_grad_batches={accumulate_grad_batches} spreads over several batches: set "
+            "accumulate_grad_batches=1 and a larger batch with micro_batch_size (its micro-batches accumulate "
+            "exactly).")
+
+
+__all__ = ["CudaGraphConfig", "GradientConfig", "ParallelConfig", "check_per_token_accumulation"]

@@ -11,34 +11,33 @@ then let Lightning clip and step. Lightning's own backward is a no-op: the sched
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.distributed.constants import default_pg_timeout
 
 from .checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place, remove_checkpoint_path,
                                       save_trainer_checkpoint)
 from .distributed import FullOptimizerView
 from .distributed.gradients import GradientState, checkpoint_views
-from .engine import StepEngine, StepResult
+from .engine import StepEngine
 from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
                               sync_metrics_over_data_parallel)
-from .config import CudaGraphConfig, GradientConfig, ParallelConfig
+from .config import CudaGraphConfig, GradientConfig, ParallelConfig, check_per_token_accumulation
 from .transformer.config import model_defaults
 from .parallel import ParallelState
 from .tensor_parallel.random import get_rng_tracker
@@ -48,6 +47,7 @@ from .parallel.topology import DEFAULT_ORDER
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
+from .step_hooks import batch_output, call_hooks, to_cpu, training_last_stage
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 class MegatronStrategy(ParallelStrategy):
@@ -135,14 +135,15 @@ class MegatronStrategy(ParallelStrategy):
 
     # -- Lightning plumbing --------------------------------------------------------------------------
 
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    # Lightning's own (DDPStrategy's, borrowed rather than inherited: DDPStrategy would wrap the model in DDP)
+    root_device = DDPStrategy.root_device
+    num_processes = DDPStrategy.num_processes
+    process_group_backend = DDPStrategy.process_group_backend
+    set_world_ranks = DDPStrategy.set_world_ranks
+    model_to_device = DDPStrategy.model_to_device
+    determine_ddp_device_ids = DDPStrategy.determine_ddp_device_ids
+    barrier = DDPStrategy.barrier       # on the world group, as Lightning's callbacks expect
+    broadcast = DDPStrategy.broadcast
 
     @property
     def is_distributed(self) -> bool:
@@ -154,10 +155,6 @@ class MegatronStrategy(ParallelStrategy):
         """Data is sharded by data-parallel rank: tp/cp/pp peers read the same samples."""
         state = self._state()
         return {"num_replicas": state.dp_size, "rank": state.dp_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -187,12 +184,6 @@ class MegatronStrategy(ParallelStrategy):
         self.parallel_state = state.activate()
         seed_identically(self.parallel_state, self.root_device)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
         assert self.model is not None and self.accelerator is not None
         self.precision_plugin = parallel_precision(self.precision_plugin, None)   # checked before any work
@@ -203,12 +194,7 @@ class MegatronStrategy(ParallelStrategy):
         make_replicas_identical(self.model, self._state())
         sync_metrics_over_data_parallel(self.model, self._state())
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.calculate_per_token_loss and trainer.accumulate_grad_batches > 1:
-                raise ValueError(
-                    "calculate_per_token_loss=True divides the gradients by one step's global token count, which "
-                    f"accumulate_grad_batches={trainer.accumulate_grad_batches} spreads over several batches: set "
-                    "accumulate_grad_batches=1 and a larger batch with micro_batch_size (its micro-batches "
-                    "accumulate exactly).")
+            check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
             self.setup_optimizers(trainer)
             self._setup_gradients()
         self.precision_plugin = parallel_precision(self.precision_plugin, self.gradients)
@@ -217,23 +203,16 @@ class MegatronStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.engine is not None:
             self.engine.close()
-        graphs = self.graph_config
         self.engine = StepEngine(
             self.lightning_module, self._state(), device=self.root_device, micro_batch_size=self.parallel.micro_batch_size,
             microbatch_group_size_per_vp_stage=self.parallel.microbatch_group_size_per_vp_stage,
-            cuda_graph=graphs.cuda_graph, cuda_graph_scope=graphs.cuda_graph_scope,
-            cuda_graph_warmup_steps=graphs.cuda_graph_warmup_steps, cuda_graph_backend=graphs.cuda_graph_backend,
-            calculate_per_token_loss=self.calculate_per_token_loss)
+            calculate_per_token_loss=self.calculate_per_token_loss, **dataclasses.asdict(self.graph_config))
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` runs inside: models built there take the strategy's ``sequence_parallel``."""
         with model_defaults(sequence_parallel=self.parallel.sequence_parallel):
             yield
-
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     def _state(self) -> ParallelState:
         if self.parallel_state is None:
@@ -279,28 +258,13 @@ class MegatronStrategy(ParallelStrategy):
         is called per micro-batch on the last pipeline stage with the loss about to be backpropagated
         (divided by ``accumulate_grad_batches``, before loss scaling); ``on_after_backward`` once, when
         the gradients are handed back to Lightning."""
-        from lightning.pytorch.trainer import call
-
-        module = self.lightning_module
-        trainer = module.trainer
-        accumulate = trainer.accumulate_grad_batches
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
         gradients = self.gradients
-        per_token = self.calculate_per_token_loss
-
-        def last_stage(microbatch: Any) -> Any:
-            out = module.training_step(microbatch, *args[1:], **kwargs)
-            loss, num_tokens = _extract_loss(out, per_token)
-            backward = loss / accumulate
-            # Lightning's hook, just before this micro-batch's backward (on the last pipeline stage)
-            call._call_callback_hooks(trainer, "on_before_backward", backward)
-            call._call_lightning_module_hook(trainer, "on_before_backward", backward)
-            scaled = scaler.scale(backward) if scaler is not None else backward
-            return (scaled, loss.detach(), num_tokens) if per_token else (scaled, loss.detach())
-
         if args[1] % accumulate == 0:   # first batch of an accumulation window: start from zero
             gradients.zero()
         gradients.before_schedule()
+        last_stage = training_last_stage(self.lightning_module, args[1:], kwargs, scaler, self.calculate_per_token_loss)
         with gradients.no_sync() if self._accumulating else nullcontext():
             # MoE balancing losses inject their gradient inside backward: they get the main loss's factor
             result = self.engine.run(args[0], last_stage, step_context=self.precision_plugin.train_step_context,
@@ -311,20 +275,13 @@ class MegatronStrategy(ParallelStrategy):
             if result.grad_scale is not None:   # per-token losses: divided by the global token count
                 gradients.scale(result.grad_scale)
         gradients.hide()   # Lightning zeroes gradients between training_step and backward: keep them away
-        self._replay_logs(result)
-        return {"loss": result.loss}
-
-    def _replay_logs(self, result: StepResult) -> None:
         replay(self.lightning_module, result.logs, self.root_device)
+        return {"loss": result.loss}
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran every backward inside ``training_step``: hand its gradients back."""
-        from lightning.pytorch.trainer import call
-
         self.gradients.expose()
-        trainer = self.lightning_module.trainer
-        call._call_callback_hooks(trainer, "on_after_backward")
-        call._call_lightning_module_hook(trainer, "on_after_backward")
+        call_hooks(self.lightning_module.trainer, "on_after_backward")
         return closure_loss
 
     @contextmanager
@@ -340,11 +297,8 @@ class MegatronStrategy(ParallelStrategy):
         module = self.lightning_module
         result = self.engine.run(args[0], lambda mb: getattr(module, hook)(mb, *args[1:], **kwargs),
                                  forward_only=True, step_context=context)
-        self._replay_logs(result)
-        outputs = result.outputs
-        if outputs is None:
-            return None
-        return outputs[0] if len(outputs) == 1 else _concat(outputs)
+        replay(module, result.logs, self.root_device)
+        return batch_output(result.outputs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
@@ -354,7 +308,7 @@ class MegatronStrategy(ParallelStrategy):
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         out = self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-        return broadcast_from_last_stage(_to_cpu(out), self._state())   # rank 0 holds the first stage
+        return broadcast_from_last_stage(to_cpu(out), self._state())   # rank 0 holds the first stage
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """A user's DistributedSampler must shard by data-parallel rank (checked on every rank, raised on every
@@ -380,23 +334,6 @@ class MegatronStrategy(ParallelStrategy):
         for index, batches in enumerate(loop._predictions):
             total = len((loaders[index] if isinstance(loaders, (list, tuple)) else loaders).dataset)
             batches[:] = in_dataset_order(batches, self._state(), total)
-
-    # -- collectives with Lightning's semantics on the world group -------------------------------------
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
@@ -486,39 +423,3 @@ class MegatronStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls,
                                    description="Megatron-style tensor/pipeline/data/context/expert parallelism")
-
-
-
-def _extract_loss(out: Any, per_token: bool) -> tuple:
-    """``(loss, token count)`` from what ``training_step`` returned (the count is ``None`` for mean losses)."""
-    loss = out.get("loss") if isinstance(out, Mapping) else out
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError("training_step must return the loss (a scalar tensor) or a dict with a 'loss' key under "
-                        f"the megatron strategy, got {type(out).__name__}.")
-    if not per_token:
-        return loss, None
-    if not isinstance(out, Mapping) or out.get("num_tokens") is None:
-        raise TypeError("with calculate_per_token_loss=True, training_step must return {'loss': <sum of the token "
-                        "losses>, 'num_tokens': <how many tokens were summed>}; got no 'num_tokens'. Return both, or "
-                        "set calculate_per_token_loss=False and return the mean.")
-    return loss, out["num_tokens"]
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _to_cpu(v) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _concat(outputs: List[Any]) -> Any:
-    """Per-micro-batch outputs joined back into one batch's output."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(outputs) if first.dim() else torch.stack(outputs).mean()
-    if isinstance(first, Mapping):
-        return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
-    return outputs

@@ -1,0 +1,81 @@
+"""The user's ``*_step`` as the step engine calls it on one micro-batch, with Lightning's hooks around it.
+
+The engine knows nothing of Lightning: on the last pipeline stage it calls ``last_stage(microbatch)``
+and backpropagates what that returns. Here that call becomes the user's ``training_step`` plus what
+Lightning does around a backward: the loss divided by ``accumulate_grad_batches``,
+``on_before_backward`` (callbacks, then the module), then the AMP scaler's scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Mapping, Optional, Tuple
+
+import torch
+
+
+def call_hooks(trainer: Any, name: str, *args: Any) -> None:
+    """Lightning's hook ``name`` on every callback, then on the LightningModule (Lightning's order)."""
+    from lightning.pytorch.trainer import call
+
+    call._call_callback_hooks(trainer, name, *args)
+    call._call_lightning_module_hook(trainer, name, *args)
+
+
+def training_last_stage(module: Any, step_args: tuple, step_kwargs: dict, scaler: Optional[Any],
+                        per_token: bool) -> Callable[[Any], Tuple[Any, ...]]:
+    """What the last stage runs per micro-batch: ``(loss to backpropagate, loss to report[, token count])``.
+    ``step_args``: ``training_step``'s arguments after the batch (the batch index)."""
+    trainer = module.trainer
+    accumulate = trainer.accumulate_grad_batches
+
+    def last_stage(microbatch: Any) -> Tuple[Any, ...]:
+        out = module.training_step(microbatch, *step_args, **step_kwargs)
+        loss, num_tokens = extract_loss(out, per_token)
+        backward = loss / accumulate
+        call_hooks(trainer, "on_before_backward", backward)
+        scaled = scaler.scale(backward) if scaler is not None else backward
+        return (scaled, loss.detach(), num_tokens) if per_token else (scaled, loss.detach())
+
+    return last_stage
+
+
+def extract_loss(out: Any, per_token: bool) -> Tuple[torch.Tensor, Optional[Any]]:
+    """``(loss, token count)`` from what ``training_step`` returned (the count is ``None`` for mean losses)."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("training_step must return the loss (a scalar tensor) or a dict with a 'loss' key under "
+                        f"the megatron strategy, got {type(out).__name__}.")
+    if not per_token:
+        return loss, None
+    if not isinstance(out, Mapping) or out.get("num_tokens") is None:
+        raise TypeError("with calculate_per_token_loss=True, training_step must return {'loss': <sum of the token "
+                        "losses>, 'num_tokens': <how many tokens were summed>}; got no 'num_tokens'. Return both, or "
+                        "set calculate_per_token_loss=False and return the mean.")
+    return loss, out["num_tokens"]
+
+
+def batch_output(outputs: Optional[List[Any]]) -> Any:
+    """An evaluation step's per-micro-batch outputs as one batch's output (``None`` when it returned none)."""
+    if outputs is None:
+        return None
+    return outputs[0] if len(outputs) == 1 else _concat(outputs)
+
+
+def _concat(outputs: List[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs) if first.dim() else torch.stack(outputs).mean()
+    if isinstance(first, Mapping):
+        return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
+    return outputs
+
+
+def to_cpu(obj: Any) -> Any:
+    """Tensors in ``obj`` (nested in mappings, lists and tuples) detached onto the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return type(obj)({k: to_cpu(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
