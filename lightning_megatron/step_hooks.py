@@ -21,6 +21,20 @@ def call_hooks(trainer: Any, name: str, *args: Any) -> None:
     call._call_lightning_module_hook(trainer, name, *args)
 
 
+def check_automatic_optimization(module: Any) -> None:
+    """Refuse manual optimization: the pipeline schedule runs every backward itself, after the user's
+    ``training_step`` returns, so a ``manual_backward`` + ``opt.step()`` inside it would step on gradients
+    that do not exist yet (and, under pipeline parallelism, on the last stage only)."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} sets automatic_optimization = False, which the megatron strategy cannot run: "
+            "its pipeline schedule runs forward and backward of every micro-batch itself, so manual_backward and "
+            "optimizer.step() inside training_step would step before this batch's gradients exist. Return the "
+            "loss from training_step with automatic_optimization = True (clip with Trainer(gradient_clip_val=...), "
+            "accumulate with Trainer(accumulate_grad_batches=...), one optimizer with parameter groups for "
+            "different settings).")
+
+
 def training_last_stage(module: Any, step_args: tuple, step_kwargs: dict, scaler: Optional[Any],
                         per_token: bool) -> Callable[[Any], Tuple[Any, ...]]:
     """What the last stage runs per micro-batch: ``(loss to backpropagate, loss to report[, token count])``.

@@ -1,7 +1,7 @@
 """What a LightningModule logs inside the micro-batches of one step, gathered and replayed once.
 
 Under pipeline parallelism ``training_step`` runs only on the last stage, once per micro-batch.
-``self.log`` calls are recorded there, averaged over micro-batches, broadcast to every stage and
+``self.log`` calls are recorded there, combined over micro-batches by their ``reduce_fx``, broadcast to every stage and
 then logged for real on every rank with the same arguments, so rank 0's progress bar and
 loggers see them and ``sync_dist=True`` is entered by every rank (never a hang).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,13 +22,18 @@ Record = Tuple[Any, tuple, dict]
 
 class StepLogCapture:
     """``passthrough_metrics``: log torchmetrics objects for real at once (every rank runs the step,
-    so the metric's own state and sync give the exact epoch value); otherwise log their batch value."""
+    so the metric's own state and sync give the exact epoch value); otherwise log their batch value.
+
+    A ``log`` call the strategy cannot record (not a scalar, an unknown ``reduce_fx``) is not raised inside
+    the step, where only the last pipeline stage would see it while the others wait for it: ``error`` keeps
+    the first one, which the engine raises on every rank after the step (``raise_log_error``)."""
 
     def __init__(self, module: Any, passthrough_metrics: bool) -> None:
         self.module = module
         self.passthrough_metrics = passthrough_metrics
         self.microbatches: List[Dict[str, Record]] = []
         self.weights: List[float] = []
+        self.error: Optional[Tuple[str, str]] = None   # (exception type name, message)
 
     @contextlib.contextmanager
     def microbatch(self, weight: float = 1.0) -> Iterator[None]:
@@ -42,7 +47,11 @@ class StepLogCapture:
             if self.passthrough_metrics and _is_metric(value):
                 type(self.module).log(self.module, name, value, *args, **kwargs)
                 return
-            records[name] = (_as_value(value), args, kwargs)
+            try:
+                _reduce_fx(args, kwargs)
+                records[name] = (_as_value(name, value), args, kwargs)
+            except (TypeError, ValueError) as err:
+                self.error = self.error or (type(err).__name__, str(err))
 
         def log_dict(dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
             for name, value in dictionary.items():
@@ -55,9 +64,11 @@ class StepLogCapture:
             del self.module.log
             del self.module.log_dict
 
-    def averaged(self) -> Dict[str, Record]:
-        """Each logged name's mean over the micro-batches that logged it (weighted by their samples), with
-        its arguments. Equal micro-batches: the plain mean."""
+    def combined(self) -> Dict[str, Record]:
+        """Each logged name's value for the whole batch, from the micro-batches that logged it, by its
+        ``reduce_fx`` (what Lightning then applies over the epoch's steps): ``"sum"``, ``"max"``, ``"min"``
+        over the micro-batches, ``"mean"`` (the default) weighted by their samples, so a sum, maximum or
+        mean over samples comes out as one process's batch value. Values stay on the device (no sync)."""
         out: Dict[str, Record] = {}
         names = [n for records in self.microbatches for n in records]
         for name in dict.fromkeys(names):
@@ -65,12 +76,30 @@ class StepLogCapture:
             _, args, kwargs = logged[0][0]
             values = torch.stack([record[0] for record, _ in logged])
             weights = [w for _, w in logged]
-            if len(set(weights)) == 1:
-                value = values.mean()   # on the device: no sync per micro-batch
+            reduce = _reduce_fx(args, kwargs)
+            if reduce == "mean":
+                value = values.mean() if len(set(weights)) == 1 else \
+                    (values * values.new_tensor(weights)).sum() / sum(weights)
             else:
-                value = (values * values.new_tensor(weights)).sum() / sum(weights)
+                value = {"sum": values.sum, "max": values.amax, "min": values.amin}[reduce]()
             out[name] = (value, args, kwargs)
         return out
+
+
+_REDUCE_FX = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
+              torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.amax: "max", torch.min: "min",
+              torch.amin: "min"}
+
+
+def _reduce_fx(args: tuple, kwargs: dict) -> str:
+    """The ``reduce_fx`` of a ``self.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, ...)`` call."""
+    reduce_fx = kwargs.get("reduce_fx", args[4] if len(args) > 4 else "mean")
+    try:
+        return _REDUCE_FX[reduce_fx]
+    except (KeyError, TypeError):
+        raise ValueError(f"self.log(..., reduce_fx={reduce_fx!r}): the megatron strategy combines the values of a "
+                         "step's micro-batches by reduce_fx, which must be 'mean', 'sum', 'max' or 'min' (or "
+                         "torch.mean/sum/max/min), as Lightning's own logging requires.") from None
 
 
 def _is_metric(value: Any) -> bool:
@@ -79,20 +108,28 @@ def _is_metric(value: Any) -> bool:
     return isinstance(value, Metric)
 
 
-def _as_value(value: Any) -> torch.Tensor:
+def _as_value(name: str, value: Any) -> torch.Tensor:
     """A detached float32 scalar tensor, left on its device (reading it would sync every micro-batch)."""
     if _is_metric(value):
         # the metric object lives on the last stage only: log the value it computed for this batch
         value = value._forward_cache
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"self.log needs a scalar under pipeline parallelism, got a tensor of shape "
-                             f"{tuple(value.shape)}.")
+            raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}: the megatron "
+                             "strategy combines a step's logged values over its micro-batches and pipeline "
+                             "stages, so each must be a number or a one-element tensor.")
         return value.detach().float().reshape(())
     if isinstance(value, numbers.Number):
         return torch.tensor(float(value))
-    raise TypeError(f"cannot log a {type(value).__name__} under pipeline parallelism; log a number or a "
-                    "scalar tensor.")
+    raise TypeError(f"self.log({name!r}, ...) got a {type(value).__name__}: the megatron strategy combines a "
+                    "step's logged values over its micro-batches and pipeline stages, so each must be a number or "
+                    "a one-element tensor.")
+
+
+def raise_log_error(error: Optional[Tuple[str, str]]) -> None:
+    """Raise what a step's ``log`` call could not record (the same on every rank it reached)."""
+    if error is not None:
+        raise {"TypeError": TypeError}.get(error[0], ValueError)(error[1])
 
 
 def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
@@ -105,24 +142,27 @@ def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
     return box[0]
 
 
-def broadcast_logs_from_last_stage(logs: Dict[str, Record], state: ParallelState,
-                                   device: torch.device) -> Dict[str, Record]:
-    """The last stage's averaged records on every stage without a host sync: the names and logging
-    arguments go host to host (gloo), the values as one device tensor over the pp group."""
+def broadcast_logs_from_last_stage(logs: Dict[str, Record], state: ParallelState, device: torch.device,
+                                   error: Optional[Tuple[str, str]] = None
+                                   ) -> Tuple[Dict[str, Record], Optional[Tuple[str, str]]]:
+    """The last stage's combined records (and the error of a ``log`` call it could not record) on every stage
+    without a host sync: the names, logging arguments and error go host to host (gloo), the values as one
+    device tensor over the pp group."""
     if state.pp_size == 1:
-        return logs
+        return logs, error
     src = state.ranks("pp")[-1]
-    box = [[(name, args, kwargs) for name, (_, args, kwargs) in logs.items()] if state.rank == src else None]
+    box = [([(name, args, kwargs) for name, (_, args, kwargs) in logs.items()], error) if state.rank == src
+           else None]
     dist.broadcast_object_list(box, src=src, group=state.pp_host_group)
-    layout = box[0]
+    layout, error = box[0]
     if not layout:
-        return {}
+        return {}, error
     if state.rank == src:
         values = torch.stack([logs[name][0].to(device, torch.float32) for name, _, _ in layout])
     else:
         values = torch.empty(len(layout), dtype=torch.float32, device=device)
     dist.broadcast(values, src=src, group=state.pp_group)
-    return {name: (values[i], args, kwargs) for i, (name, args, kwargs) in enumerate(layout)}
+    return {name: (values[i], args, kwargs) for i, (name, args, kwargs) in enumerate(layout)}, error
 
 
 class _DataParallelGroup:

@@ -44,10 +44,11 @@ from .tensor_parallel.random import get_rng_tracker
 from .fp8 import Float8Config, enable_fp8, fp8_config
 from .precision import parallel_precision
 from .parallel.topology import DEFAULT_ORDER
+from .pipeline.shared_embeddings import check_tied_optimizer_settings
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
-from .step_hooks import batch_output, call_hooks, to_cpu, training_last_stage
+from .step_hooks import batch_output, call_hooks, check_automatic_optimization, to_cpu, training_last_stage
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 class MegatronStrategy(ParallelStrategy):
@@ -187,19 +188,22 @@ class MegatronStrategy(ParallelStrategy):
     def setup(self, trainer: "L.Trainer") -> None:  # noqa: F821
         assert self.model is not None and self.accelerator is not None
         self.precision_plugin = parallel_precision(self.precision_plugin, None)   # checked before any work
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            check_automatic_optimization(self.lightning_module)
+            check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         make_replicas_identical(self.model, self._state())
         sync_metrics_over_data_parallel(self.model, self._state())
-        if trainer.state.fn == TrainerFn.FITTING:
-            check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
+        if fitting:
             self.setup_optimizers(trainer)
             self._setup_gradients()
         self.precision_plugin = parallel_precision(self.precision_plugin, self.gradients)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.engine is not None:
             self.engine.close()
@@ -224,6 +228,7 @@ class MegatronStrategy(ParallelStrategy):
     def _setup_gradients(self) -> None:
         """Where gradients live (after the optimizers exist: the distributed optimizer re-points them at its
         shards)."""
+        check_tied_optimizer_settings(self.model.named_parameters(), self._raw_optimizers(), self._state().pp_size)
         if self.gradients is not None:
             self.gradients.close()
         self._final_optimizer_states = {}
@@ -243,6 +248,16 @@ class MegatronStrategy(ParallelStrategy):
         if self.engine.routers:
             update_expert_biases(self.engine.routers)   # aux-loss-free balancing: after the step
         return out
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm as one process computes it, the same on every rank at every layout;
+        a collective: call it on every rank between backward and the optimizer step (``on_before_optimizer_step``).
+        Lightning's ``grad_norm(module)`` sees this rank's shards only (under the distributed optimizer, none)."""
+        if self.gradients is None:
+            raise RuntimeError("strategy.grad_norm() reads the gradients of a training step: call it while fitting, "
+                               "e.g. in on_before_optimizer_step.")
+        return self.gradients.norm([p for opt in self._raw_optimizers() for group in opt.param_groups
+                                    for p in group["params"]], norm_type)
 
     def on_train_end(self) -> None:
         """The process groups go with ``teardown``: keep the whole optimizer state (host memory) for a

@@ -106,11 +106,12 @@ def _logs_over_the_pipeline():
 
     state = ParallelState(ParallelLayout(dist.get_world_size(), pp=2)).activate()
     try:
-        logs = {}
+        logs, error = {}, None
         if state.is_pipeline_last_stage(ignore_virtual=True):
             logs = {"loss": (torch.tensor(2.5), ("a",), {"sync_dist": True}), "acc": (torch.tensor(0.25), (), {})}
-        got = broadcast_logs_from_last_stage(logs, state, torch.device("cpu"))
-        return {name: (float(value), args, kwargs) for name, (value, args, kwargs) in got.items()}
+            error = ("TypeError", "what the last stage could not log")
+        got, error = broadcast_logs_from_last_stage(logs, state, torch.device("cpu"), error)
+        return {name: (float(value), args, kwargs) for name, (value, args, kwargs) in got.items()}, error
     finally:
         state.destroy()
 
@@ -118,4 +119,4 @@ def _logs_over_the_pipeline():
 def test_logs_reach_every_stage_names_and_arguments_by_host_values_by_tensor():
     out = run_on_ranks(_logs_over_the_pipeline, 4, timeout=60)
     expected = {"loss": (2.5, ("a",), {"sync_dist": True}), "acc": (0.25, (), {})}
-    assert out == [expected] * 4
+    assert out == [(expected, ("TypeError", "what the last stage could not log"))] * 4

@@ -311,21 +311,27 @@ def test_sequence_parallel_without_tensor_parallelism_warns_and_is_off():
 
 
 class _LinearModule(L.LightningModule):
-    """A plain ``nn.Linear`` module that logs with ``sync_dist=True`` in validation and test."""
+    """A plain ``nn.Linear`` module that logs with ``sync_dist=True`` in validation and test, and a torchmetrics
+    object (it syncs over the data-parallel group the strategy gave it: each run's, not a destroyed one)."""
 
     def __init__(self):
         super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
+        import torchmetrics
 
-    def _loss(self, batch):
+        self.layer = torch.nn.Linear(4, 1)
+        self.mae = torchmetrics.MeanAbsoluteError()
+
+    def _loss(self, batch, name):
         x, y = batch
+        self.mae(self.layer(x), y)
+        self.log(f"{name}_mae", self.mae)
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
+        self.log("val_loss", self._loss(batch, "val"), sync_dist=True)
 
     def test_step(self, batch, batch_idx):
-        self.log("test_loss", self._loss(batch), sync_dist=True)
+        self.log("test_loss", self._loss(batch, "test"), sync_dist=True)
 
 
 def _repeat_validate_and_test(strategy):

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import GradientConfig
 from ..parallel import ParallelState
-from .clip import ClipPlan, clip_grad_norm, clip_plan, scale_grads_
+from .clip import ClipPlan, clip_grad_norm, clip_plan, global_grad_norm, scale_grads_
 from .data_parallel import DataParallelGrads, default_bucket_size
 from .distributed_optimizer import DistributedOptimizer
 from .finalize import finalize_model_grads
@@ -124,12 +124,21 @@ class GradientState:
 
     def clip_by_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (the optimizer's) so the whole model's norm is at most ``max_norm``."""
+        return clip_grad_norm(params, float(max_norm), self.state, sharded=self.sharded, device=self.device,
+                              plan=self._plan(params))
+
+    def norm(self, params: Sequence[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm over ``params`` (the optimizer's), as one process computes it and the
+        same on every rank (a collective)."""
+        return global_grad_norm(params, self.state, norm_type, sharded=self.sharded, device=self.device,
+                                plan=self._plan(params))
+
+    def _plan(self, params: Sequence[nn.Parameter]) -> ClipPlan:
         key = tuple(map(id, params))
         plan = self._clip_plans.get(key)
         if plan is None:   # which parameters count is fixed for a parameter list: worked out once
             plan = self._clip_plans[key] = clip_plan(params, self.state)
-        return clip_grad_norm(params, float(max_norm), self.state, sharded=self.sharded, device=self.device,
-                              plan=plan)
+        return plan
 
     def after_optimizer_step(self) -> None:
         """Make every rank's parameters whole again (the distributed optimizer stepped on its shards)."""

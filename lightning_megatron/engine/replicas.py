@@ -37,12 +37,19 @@ def make_replicas_identical(model: nn.Module, state: ParallelState) -> None:
 
 
 def sync_metrics_over_data_parallel(model: nn.Module, state: ParallelState) -> None:
-    """torchmetrics objects sync over data-parallel replicas only: tp/cp/pp peers saw the same samples."""
+    """torchmetrics objects sync over data-parallel replicas only: tp/cp/pp peers saw the same samples.
+
+    A metric's own ``process_group`` is kept; one set here by an earlier run (each ``fit``/``validate``/``test``
+    builds new process groups and destroys the old) is replaced by this run's."""
     from torchmetrics import Metric
 
     for module in model.modules():
-        if isinstance(module, Metric) and module.process_group is None:
+        if isinstance(module, Metric) and (module.process_group is None or getattr(module, _OURS, False)):
             module.process_group = state.dp_cp_group
+            setattr(module, _OURS, True)
+
+
+_OURS = "_data_parallel_group_set_by_megatron"
 
 
 def in_dataset_order(batches: List[Any], state: ParallelState, total: int) -> List[Any]:

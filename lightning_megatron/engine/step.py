@@ -36,7 +36,7 @@ from ..parallel import ParallelState
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
-from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage
+from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage, raise_log_error
 
 # micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output
 LastStage = Callable[[Any], Any]
@@ -48,7 +48,7 @@ class StepResult:
 
     ``loss``: the mean of the reported per-micro-batch values over the global batch (a float32
     device scalar; ``None`` for forward-only steps); with per-token losses, the reported sums over
-    the global token count. ``logs``: each name the last stage logged, averaged over micro-batches,
+    the global token count. ``logs``: each name the last stage logged, combined over micro-batches by its reduce_fx,
     with its ``log`` arguments. ``outputs``: the last stage's per-micro-batch outputs of a
     forward-only step (``None`` elsewhere). ``num_tokens``/``grad_scale``: per-token losses only, the
     global token count and the factor the data-parallel-averaged gradients must be multiplied by.
@@ -248,7 +248,8 @@ class StepEngine:
                 reported = torch.stack(results).sum(dim=0)
             else:
                 reported = torch.stack([r.detach().float() for r in results]).mean()
-        return {"reported": reported, "logs": capture.averaged() if self.is_last_stage else {},
+        return {"reported": reported, "logs": capture.combined() if self.is_last_stage else {},
+                "log_error": capture.error,
                 "outputs": results if self.is_last_stage and forward_only else None,
                 "num_microbatches": len(microbatches)}
 
@@ -272,9 +273,10 @@ class StepEngine:
                 num_tokens = loss[1]
                 counted = num_tokens.clamp(min=1.0)   # no labelled token anywhere: zero loss and gradients
                 loss, grad_scale = loss[0] / counted, dp_cp / counted
-        logs = core["logs"]
+        logs, log_error = core["logs"], core["log_error"]
         if state.pp_size > 1:
-            logs = broadcast_logs_from_last_stage(logs, state, self.device)
+            logs, log_error = broadcast_logs_from_last_stage(logs, state, self.device, log_error)
+        raise_log_error(log_error)   # after the step's collectives, on every rank
         return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"],
                           num_tokens=num_tokens, grad_scale=grad_scale)
 

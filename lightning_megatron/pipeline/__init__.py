@@ -12,7 +12,8 @@ from .schedules import (
     get_schedule_table, resolve_group_size, schedule_order, schedule_steps,
 )
 from .shared_embeddings import (
-    allreduce_shared_embedding_grads, shared_embedding_parameters, sync_shared_embedding_weights,
+    allreduce_shared_embedding_grads, check_tied_optimizer_settings, shared_embedding_parameters,
+    sync_shared_embedding_weights,
 )
 from .stack import PipelineStack
 from ..parallel.stages import (
@@ -27,7 +28,7 @@ __all__ = [
     "virtual_stage",
     # runtime
     "CommRound", "ForwardStepFn", "PipelineOutput", "PipelineP2P", "StepContext",
-    "allreduce_shared_embedding_grads", "comm_plan", "deallocate_output_tensor",
+    "allreduce_shared_embedding_grads", "check_tied_optimizer_settings", "comm_plan", "deallocate_output_tensor",
     "forward_backward", "prepare_group_for_batched_p2p", "shared_embedding_parameters",
     "sync_shared_embedding_weights",
     # building a stage's share of a model

@@ -10,7 +10,7 @@ stage the two uses share one ``Parameter`` and both functions do nothing.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -121,3 +121,75 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# -- the optimizer must treat both copies alike ---------------------------------------------------------
+
+Settings = Tuple[str, Tuple[Tuple[str, Any], ...]]
+
+
+def check_tied_optimizer_settings(named_parameters: Iterable[Tuple[str, nn.Parameter]],
+                                  optimizers: Sequence[torch.optim.Optimizer], pp_size: int) -> None:
+    """Raise, on every rank, when the two copies of a tied embedding get different optimizer settings.
+
+    Under pipeline parallelism the tied weight is two parameters (first stage's word embeddings, last
+    stage's output weight) kept equal by equal gradients, so only equal updates keep them one weight:
+    a parameter-group rule by name or module that picks the word embeddings misses the output weight and
+    silently unties them. Collective over the world (once, at setup); nothing to check with one stage.
+    """
+    if pp_size == 1:
+        return
+    mine, seen = [], set()
+    for name, param in named_parameters:
+        if getattr(param, "shared_embedding", False) and id(param) not in seen:
+            seen.add(id(param))
+            mine.append((name, optimizer_settings(param, optimizers)))
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    message = tied_settings_mismatch([entry for part in everyone for entry in part])
+    if message is not None:
+        raise ValueError(message)
+
+
+def optimizer_settings(param: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> Settings:
+    """Which optimizer updates ``param`` and its parameter group's options (comparable across ranks)."""
+    if not param.requires_grad:
+        return "frozen (requires_grad=False)", ()
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                options = tuple(sorted((k, _comparable(v)) for k, v in group.items() if k != "params"))
+                return f"optimizer {index} ({type(optimizer).__name__})", options
+    return "in no optimizer", ()
+
+
+def tied_settings_mismatch(entries: Sequence[Tuple[str, Settings]]) -> Optional[str]:
+    """The error for copies ``(name, settings)`` of the tied weight whose settings differ, else ``None``."""
+    distinct: dict = {}
+    for name, settings in entries:
+        distinct.setdefault(settings, []).append(name)
+    if len(distinct) <= 1:
+        return None
+    options = [dict(settings[1]) for settings in distinct]
+    differing = sorted({k for o in options for k in o if any(p.get(k, "<unset>") != o.get(k, "<unset>")
+                                                               for p in options)})
+    described = []
+    for (where, opts), names in distinct.items():
+        shown = ", ".join(f"{k}={dict(opts).get(k, '<unset>')}" for k in differing)
+        described.append(f"{' / '.join(sorted(set(names)))}: {where}" + (f", {shown}" if shown else ""))
+    return ("the tied word embedding is two parameters under pipeline parallelism (the first stage's word "
+            "embeddings and the last stage's output weight), and configure_optimizers gives them different "
+            f"settings ({'; '.join(described)}). They must get the same updates to stay one weight: put both in "
+            "parameter groups with the same settings (a rule by name must match both names; "
+            "getattr(param, 'shared_embedding', False) is True on both copies), or untie them (GPTModel's "
+            "tie_word_embeddings=False).")
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_comparable(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__   # an object's repr may hold its address, which differs between ranks

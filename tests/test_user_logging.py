@@ -1,0 +1,70 @@
+"""What ``self.log`` in a ``training_step`` gives when the strategy runs the step as micro-batches (and the
+pipeline's last stage only), from the public API.
+
+A probe found values computed from the batch logged as the mean over micro-batches whatever their
+``reduce_fx`` (a token count of 34 logged as 8.5, its epoch sum 33.25 instead of 133), at one process with
+``micro_batch_size`` too; and a value the strategy cannot log raised on the last stage only, leaving the
+other stages waiting.
+"""
+
+import pytest
+import torch
+
+from lightning_megatron.testing import run_on_ranks
+from strategy_utils import VOCAB, TinyGPT, fit_tiny_gpt
+
+
+class CountingGPT(TinyGPT):
+    """Logs sums, maxima and minima over the batch's samples, each with its own ``reduce_fx``."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        labels = batch["labels"]
+        common = dict(on_step=True, on_epoch=True, sync_dist=True)
+        self.log("low_tokens", (labels < VOCAB // 4).sum().float(), reduce_fx="sum", **common)
+        self.log("max_id", labels.max().float(), reduce_fx="max", **common)
+        self.log_dict({"min_id": labels.min().float()}, reduce_fx=torch.min, **common)
+        return loss
+
+
+def _logged(kwargs):
+    return fit_tiny_gpt(kwargs, max_steps=4, dataset_size=32, module_cls=CountingGPT)["logged"]
+
+
+@pytest.mark.parametrize("world, kwargs", [
+    (1, dict(micro_batch_size=2)),
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, virtual_pipeline_model_parallel_size=2)),
+    (2, dict(micro_batch_size=1)),
+], ids=["mbs2", "pp2", "pp2-vpp2", "dp2-mbs1"])
+def test_logged_sums_maxima_and_minima_are_one_process_values(world, kwargs):
+    ref = run_on_ranks(_logged, 1, dict(), timeout=120)[0]
+    for name in ("low_tokens", "max_id", "min_id"):   # the data makes them differ between micro-batches
+        assert f"{name}_step" in ref and f"{name}_epoch" in ref
+    assert ref["low_tokens_step"] > 8 and ref["low_tokens_epoch"] > ref["low_tokens_step"]
+    for logged in run_on_ranks(_logged, world, kwargs, timeout=180):
+        assert logged == pytest.approx(ref, rel=1e-6), logged
+
+
+class LogsAVector(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        self.log("per_sample", batch["labels"].float().mean(dim=1))
+        return super().training_step(batch, batch_idx)
+
+
+def _vector_error(kwargs):
+    try:
+        fit_tiny_gpt(kwargs, max_steps=1, module_cls=LogsAVector)
+    except Exception as err:  # noqa: BLE001 - the test compares what every rank raised
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.parametrize("world, kwargs", [(1, dict(micro_batch_size=2)),
+                                           (4, dict(pipeline_model_parallel_size=4, micro_batch_size=2))],
+                         ids=["mbs2", "pp4"])
+def test_a_value_that_cannot_be_logged_is_raised_on_every_rank(world, kwargs):
+    out = run_on_ranks(_vector_error, world, kwargs, timeout=120)
+    assert out[0] is not None and out[0].startswith("ValueError: self.log('per_sample', ...) got a tensor of shape"), \
+        out[0]
+    assert all(o == out[0] for o in out), out   # the first stages, which never ran training_step, too
