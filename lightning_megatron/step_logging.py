@@ -21,16 +21,20 @@ Record = Tuple[Any, tuple, dict]
 
 
 class StepLogCapture:
-    """``passthrough_metrics``: log torchmetrics objects for real at once (every rank runs the step,
-    so the metric's own state and sync give the exact epoch value); otherwise log their batch value.
+    """``passthrough_metrics``: log torchmetrics objects for real at once (the metric's own state and sync
+    give the exact epoch value); otherwise (inside a CUDA graph capture) log their batch value. Under
+    pipeline parallelism ``metric_paths`` (``id(metric)`` -> attribute path) names each logged metric in
+    ``metric_logs``, so the other stages log their own copy (whose states ``metric_sync`` keeps equal).
 
     A ``log`` call the strategy cannot record (not a scalar, an unknown ``reduce_fx``) is not raised inside
     the step, where only the last pipeline stage would see it while the others wait for it: ``error`` keeps
     the first one, which the engine raises on every rank after the step (``raise_log_error``)."""
 
-    def __init__(self, module: Any, passthrough_metrics: bool) -> None:
+    def __init__(self, module: Any, passthrough_metrics: bool, metric_paths: Optional[Dict[int, str]] = None) -> None:
         self.module = module
         self.passthrough_metrics = passthrough_metrics
+        self.metric_paths = metric_paths
+        self.metric_logs: Dict[str, Tuple[str, tuple, dict]] = {}
         self.microbatches: List[Dict[str, Record]] = []
         self.weights: List[float] = []
         self.error: Optional[Tuple[str, str]] = None   # (exception type name, message)
@@ -45,6 +49,11 @@ class StepLogCapture:
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if self.passthrough_metrics and _is_metric(value):
+                if self.metric_paths is not None:
+                    if id(value) not in self.metric_paths:
+                        self.error = self.error or ("ValueError", _UNNAMED_METRIC.format(name=name))
+                        return
+                    self.metric_logs[name] = (self.metric_paths[id(value)], args, kwargs)
                 type(self.module).log(self.module, name, value, *args, **kwargs)
                 return
             try:
@@ -85,6 +94,10 @@ class StepLogCapture:
             out[name] = (value, args, kwargs)
         return out
 
+
+_UNNAMED_METRIC = ("self.log({name!r}, <torchmetrics metric>): under pipeline parallelism only the last stage runs "
+                   "the step, and every stage logs its own copy of the metric, found by its attribute path: make the "
+                   "metric an attribute of the LightningModule (or of a module, MetricCollection or ModuleDict in it).")
 
 _REDUCE_FX = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
               torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.amax: "max", torch.min: "min",
@@ -143,26 +156,26 @@ def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
 
 
 def broadcast_logs_from_last_stage(logs: Dict[str, Record], state: ParallelState, device: torch.device,
-                                   error: Optional[Tuple[str, str]] = None
-                                   ) -> Tuple[Dict[str, Record], Optional[Tuple[str, str]]]:
-    """The last stage's combined records (and the error of a ``log`` call it could not record) on every stage
-    without a host sync: the names, logging arguments and error go host to host (gloo), the values as one
-    device tensor over the pp group."""
+                                   error: Optional[Tuple[str, str]] = None, extra: Any = None
+                                   ) -> Tuple[Dict[str, Record], Optional[Tuple[str, str]], Any]:
+    """The last stage's combined records, the error of a ``log`` call it could not record and ``extra`` (host
+    objects) on every stage without a host sync: names, logging arguments, error and ``extra`` go host to host
+    (gloo), the values as one device tensor over the pp group."""
     if state.pp_size == 1:
-        return logs, error
+        return logs, error, extra
     src = state.ranks("pp")[-1]
-    box = [([(name, args, kwargs) for name, (_, args, kwargs) in logs.items()], error) if state.rank == src
+    box = [([(name, args, kwargs) for name, (_, args, kwargs) in logs.items()], error, extra) if state.rank == src
            else None]
     dist.broadcast_object_list(box, src=src, group=state.pp_host_group)
-    layout, error = box[0]
+    layout, error, extra = box[0]
     if not layout:
-        return {}, error
+        return {}, error, extra
     if state.rank == src:
         values = torch.stack([logs[name][0].to(device, torch.float32) for name, _, _ in layout])
     else:
         values = torch.empty(len(layout), dtype=torch.float32, device=device)
     dist.broadcast(values, src=src, group=state.pp_group)
-    return {name: (values[i], args, kwargs) for i, (name, args, kwargs) in enumerate(layout)}, error
+    return {name: (values[i], args, kwargs) for i, (name, args, kwargs) in enumerate(layout)}, error, extra
 
 
 class _DataParallelGroup:
@@ -186,6 +199,9 @@ def replay(module: Any, records: Dict[str, Record], device: torch.device) -> Non
     """Log ``records`` for real; ``sync_dist`` reduces over the data-parallel replicas only
     (``DATA_PARALLEL_GROUP``, which the strategy's ``reduce`` resolves)."""
     for name, (value, args, kwargs) in records.items():
+        if _is_metric(value):   # another stage's copy of a metric the last stage logged
+            module.log(name, value, *args, **kwargs)
+            continue
         kwargs = dict(kwargs)
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             kwargs["sync_dist_group"] = DATA_PARALLEL_GROUP

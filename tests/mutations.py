@@ -146,6 +146,13 @@ MUTATIONS: List[Mutation] = [
              "                self.error = self.error or (type(err).__name__, str(err))\n", "                raise\n",
              ("tests/test_user_logging.py::test_a_value_that_cannot_be_logged_is_raised_on_every_rank[pp4]",),
              ci=False),
+    Mutation("metric-states-not-sent-to-other-stages", "lightning_megatron/metric_sync.py",
+             "    if not changes:\n        return\n", "    return\n",
+             ("tests/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",)),
+    Mutation("metric-reset-seen-by-update-count-only", "lightning_megatron/metric_sync.py",
+             "                changed |= sent_tensors.get(name) is not value\n", "",
+             ("tests/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",),
+             ci=False),
     # clipping by value: every gradient element, wherever the optimizer holds it
     Mutation("clip-by-value-skipped", "lightning_megatron/precision.py",
              "        torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed\n",

@@ -110,7 +110,7 @@ def _logs_over_the_pipeline():
         if state.is_pipeline_last_stage(ignore_virtual=True):
             logs = {"loss": (torch.tensor(2.5), ("a",), {"sync_dist": True}), "acc": (torch.tensor(0.25), (), {})}
             error = ("TypeError", "what the last stage could not log")
-        got, error = broadcast_logs_from_last_stage(logs, state, torch.device("cpu"), error)
+        got, error, _ = broadcast_logs_from_last_stage(logs, state, torch.device("cpu"), error)
         return {name: (float(value), args, kwargs) for name, (value, args, kwargs) in got.items()}, error
     finally:
         state.destroy()

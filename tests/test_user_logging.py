@@ -68,3 +68,74 @@ def test_a_value_that_cannot_be_logged_is_raised_on_every_rank(world, kwargs):
     assert out[0] is not None and out[0].startswith("ValueError: self.log('per_sample', ...) got a tensor of shape"), \
         out[0]
     assert all(o == out[0] for o in out), out   # the first stages, which never ran training_step, too
+
+
+# --- torchmetrics objects: only the last stage runs the step; every stage's copy must hold its states -------
+
+class MetricGPT(TinyGPT):
+    """Metrics whose epoch value is not a mean of batch values (a macro average, a weighted mean, an AUROC over
+    every sample: list states), one only updated (no batch value), one computed in an epoch-end hook."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        import torchmetrics
+        from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy
+
+        self.macro = MulticlassAccuracy(num_classes=VOCAB, average="macro")
+        self.weighted = torchmetrics.MeanMetric()
+        self.updated_only = torchmetrics.MeanMetric()
+        self.auroc = BinaryAUROC()
+        self.epoch_acc = MulticlassAccuracy(num_classes=VOCAB, average="micro")
+
+    def validation_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"])[..., :VOCAB]
+        labels = batch["labels"]
+        preds = logits.argmax(-1)
+        self.macro(preds, labels)
+        self.log("val_macro", self.macro)
+        self.weighted(labels.float().mean(dim=1), labels[:, 0].float() + 1)
+        self.log("val_weighted", self.weighted)
+        self.updated_only.update(labels.float())
+        self.log("val_updated_only", self.updated_only)
+        self.auroc(logits.softmax(-1)[..., 0].flatten(), (labels < VOCAB // 2).flatten().int())
+        self.log("val_auroc", self.auroc)
+        self.epoch_acc.update(preds, labels)
+
+    def on_validation_epoch_end(self):
+        self.log("val_epoch_acc", self.epoch_acc.compute(), sync_dist=True)
+        self.epoch_acc.reset()
+
+
+def _validated_thrice(kwargs, global_batch_size=8):
+    """Validations on one Trainer, each on other data: a copy left with an earlier run's states would show."""
+    import os
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_megatron import MegatronStrategy
+    from strategy_utils import TokenData
+
+    world = int(os.environ["WORLD_SIZE"])
+    model_parallel = kwargs.get("pipeline_model_parallel_size", 1)
+    batch = global_batch_size // (world // model_parallel)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=MegatronStrategy(**kwargs), accelerator="cpu", devices=world, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    module = MetricGPT()
+    runs = [trainer.validate(module, DataLoader(TokenData(n=size, seed=seed), batch_size=batch), verbose=False)[0]
+            for size, seed in ((24, 1), (8, 2), (8, 3))]   # the third: as many updates as the second
+    return [{k: float(v) for k, v in run.items()} for run in runs]
+
+
+@pytest.mark.parametrize("world, kwargs", [
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, virtual_pipeline_model_parallel_size=2)),
+    (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+], ids=["pp2", "pp2-vpp2", "pp2-dp2"])
+def test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values(world, kwargs):
+    ref = run_on_ranks(_validated_thrice, 1, dict(), timeout=120)[0]
+    assert ref[0] != ref[1] != ref[2]
+    for runs in run_on_ranks(_validated_thrice, world, kwargs, timeout=240):
+        for run, expected in zip(runs, ref):
+            assert run == pytest.approx(expected, rel=1e-5, abs=1e-7), (run, expected)

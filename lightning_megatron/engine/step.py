@@ -36,6 +36,7 @@ from ..parallel import ParallelState
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
+from ..metric_sync import named_metrics, pending_changes, send_metric_states
 from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage, raise_log_error
 
 # micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output
@@ -129,6 +130,8 @@ class StepEngine:
         self.roots = pipeline_roots(module)
         self.stage_dtype = activation_dtype(module)
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]   # found once, set every step
+        self.metrics = named_metrics(module)   # torchmetrics objects, kept equal over the pipeline's stages
+        self._metric_paths = {id(metric): path for path, metric in self.metrics}
         self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
@@ -175,7 +178,7 @@ class StepEngine:
         core = self._schedule(batch, callables.last_stage, False, callables.step_context, callables.no_sync,
                               aux_loss_scale, in_graph=True)
         return {"reported": core["reported"], "logs": core["logs"], "outputs": None,
-                "num_microbatches": core["num_microbatches"]}
+                "num_microbatches": core["num_microbatches"], "log_error": core["log_error"], "metric_logs": {}}
 
     def _schedule(self, batch: Any, last_stage: LastStage, forward_only: bool,
                   step_context: Callable[[], ContextManager[Any]], no_sync: Optional[Callable[[], Any]],
@@ -189,8 +192,9 @@ class StepEngine:
         if self.chunks > 1:
             resolve_group_size(len(microbatches), state.pp_size, self.chunks, self.group_size)
         roots = self.roots
-        # torchmetrics objects log for real when every rank runs the step (one stage); else their batch value
-        capture = StepLogCapture(module, passthrough_metrics=state.pp_size == 1 and not in_graph)
+        # torchmetrics objects log for real (other stages: their copies, see metric_sync); in a graph: batch values
+        capture = StepLogCapture(module, passthrough_metrics=not in_graph,
+                                 metric_paths=self._metric_paths if state.pp_size > 1 else None)
         results: List[Any] = []
         shapes: List[tuple] = []
 
@@ -249,7 +253,7 @@ class StepEngine:
             else:
                 reported = torch.stack([r.detach().float() for r in results]).mean()
         return {"reported": reported, "logs": capture.combined() if self.is_last_stage else {},
-                "log_error": capture.error,
+                "log_error": capture.error, "metric_logs": capture.metric_logs,
                 "outputs": results if self.is_last_stage and forward_only else None,
                 "num_microbatches": len(microbatches)}
 
@@ -275,7 +279,13 @@ class StepEngine:
                 loss, grad_scale = loss[0] / counted, dp_cp / counted
         logs, log_error = core["logs"], core["log_error"]
         if state.pp_size > 1:
-            logs, log_error = broadcast_logs_from_last_stage(logs, state, self.device, log_error)
+            metrics = (core["metric_logs"], pending_changes(self.metrics)) if self.is_last_stage else None
+            logs, log_error, metrics = broadcast_logs_from_last_stage(logs, state, self.device, log_error, metrics)
+            metric_logs, changes = metrics
+            send_metric_states(self.metrics, changes, state)
+            if not self.is_last_stage:   # the last stage logged its metrics during the step
+                copies = dict(self.metrics)
+                logs.update({name: (copies[path], args, kwargs) for name, (path, args, kwargs) in metric_logs.items()})
         raise_log_error(log_error)   # after the step's collectives, on every rank
         return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"],
                           num_tokens=num_tokens, grad_scale=grad_scale)
