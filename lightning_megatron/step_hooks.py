@@ -8,7 +8,7 @@ Lightning does around a backward: the loss divided by ``accumulate_grad_batches`
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -35,22 +35,36 @@ def check_automatic_optimization(module: Any) -> None:
             "different settings).")
 
 
-def training_last_stage(module: Any, step_args: tuple, step_kwargs: dict, scaler: Optional[Any],
-                        per_token: bool) -> Callable[[Any], Tuple[Any, ...]]:
-    """What the last stage runs per micro-batch: ``(loss to backpropagate, loss to report[, token count])``.
+class TrainingLastStage:
+    """What the last stage runs per micro-batch: ``(loss to backpropagate, loss to report[, token count])``;
+    the other entries of a dict ``training_step`` returns are kept per micro-batch and joined by ``extras()``
+    (what Lightning hands ``on_train_batch_end`` as ``outputs`` besides ``"loss"``). One object per step.
     ``step_args``: ``training_step``'s arguments after the batch (the batch index)."""
-    trainer = module.trainer
-    accumulate = trainer.accumulate_grad_batches
 
-    def last_stage(microbatch: Any) -> Tuple[Any, ...]:
-        out = module.training_step(microbatch, *step_args, **step_kwargs)
-        loss, num_tokens = extract_loss(out, per_token)
-        backward = loss / accumulate
-        call_hooks(trainer, "on_before_backward", backward)
-        scaled = scaler.scale(backward) if scaler is not None else backward
-        return (scaled, loss.detach(), num_tokens) if per_token else (scaled, loss.detach())
+    def __init__(self, module: Any, step_args: tuple, step_kwargs: dict, scaler: Optional[Any],
+                 per_token: bool) -> None:
+        self.module, self.step_args, self.step_kwargs = module, step_args, step_kwargs
+        self.scaler, self.per_token = scaler, per_token
+        self.accumulate = module.trainer.accumulate_grad_batches
+        self.outputs: List[dict] = []
 
-    return last_stage
+    def __call__(self, microbatch: Any) -> Tuple[Any, ...]:
+        out = self.module.training_step(microbatch, *self.step_args, **self.step_kwargs)
+        loss, num_tokens = extract_loss(out, self.per_token)
+        if isinstance(out, Mapping) and len(out) > 1:
+            self.outputs.append({k: v.detach() if isinstance(v, torch.Tensor) else v
+                                 for k, v in out.items() if k != "loss"})
+        backward = loss / self.accumulate
+        call_hooks(self.module.trainer, "on_before_backward", backward)
+        scaled = self.scaler.scale(backward) if self.scaler is not None else backward
+        return (scaled, loss.detach(), num_tokens) if self.per_token else (scaled, loss.detach())
+
+    def extras(self) -> Optional[dict]:
+        """The step's other outputs, joined over micro-batches like evaluation outputs (tensors with a batch
+        dimension concatenated, scalars averaged); ``None`` when ``training_step`` returned the loss alone.
+        Taken once per run of the micro-batches (a graph backend that re-runs them reuses this object)."""
+        outputs, self.outputs = self.outputs, []
+        return batch_output(outputs) if outputs else None
 
 
 def extract_loss(out: Any, per_token: bool) -> Tuple[torch.Tensor, Optional[Any]]:
@@ -81,6 +95,8 @@ def _concat(outputs: List[Any]) -> Any:
         return torch.cat(outputs) if first.dim() else torch.stack(outputs).mean()
     if isinstance(first, Mapping):
         return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
+    if isinstance(first, (str, bool, int, float)) and all(o == first for o in outputs):
+        return first   # the same plain value from every micro-batch (as equal tensor scalars average to it)
     return outputs
 
 

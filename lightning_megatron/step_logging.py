@@ -150,7 +150,7 @@ def broadcast_from_last_stage(obj: Any, state: ParallelState) -> Any:
     to host over the pp group's gloo twin)."""
     if state.pp_size == 1:
         return obj
-    box = [_to_host(obj)]
+    box = [to_host(obj)]
     dist.broadcast_object_list(box, src=state.ranks("pp")[-1], group=state.pp_host_group)
     return box[0]
 
@@ -208,14 +208,14 @@ def replay(module: Any, records: Dict[str, Record], device: torch.device) -> Non
         module.log(name, torch.as_tensor(value).to(device), *args, **kwargs)
 
 
-def _to_host(obj: Any) -> Any:
+def to_host(obj: Any) -> Any:
     """Tensors as Python floats/CPU tensors before pickling them for another rank."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
+        return {k: to_host(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_to_host(v) for v in obj)
+        return tuple(to_host(v) for v in obj)
     if isinstance(obj, list):
-        return [_to_host(v) for v in obj]
+        return [to_host(v) for v in obj]
     return obj

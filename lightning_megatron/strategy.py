@@ -48,7 +48,7 @@ from .pipeline.shared_embeddings import check_tied_optimizer_settings
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
-from .step_hooks import batch_output, call_hooks, check_automatic_optimization, to_cpu, training_last_stage
+from .step_hooks import TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, to_cpu
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 class MegatronStrategy(ParallelStrategy):
@@ -279,19 +279,23 @@ class MegatronStrategy(ParallelStrategy):
         if args[1] % accumulate == 0:   # first batch of an accumulation window: start from zero
             gradients.zero()
         gradients.before_schedule()
-        last_stage = training_last_stage(self.lightning_module, args[1:], kwargs, scaler, self.calculate_per_token_loss)
+        last_stage = TrainingLastStage(self.lightning_module, args[1:], kwargs, scaler, self.calculate_per_token_loss)
         with gradients.no_sync() if self._accumulating else nullcontext():
             # MoE balancing losses inject their gradient inside backward: they get the main loss's factor
             result = self.engine.run(args[0], last_stage, step_context=self.precision_plugin.train_step_context,
                                      no_sync=gradients.schedule_no_sync,
-                                     aux_loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / accumulate)
+                                     aux_loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / accumulate,
+                                     extras=last_stage.extras)
         if not self._accumulating:
             gradients.finalize([self.model])
             if result.grad_scale is not None:   # per-token losses: divided by the global token count
                 gradients.scale(result.grad_scale)
         gradients.hide()   # Lightning zeroes gradients between training_step and backward: keep them away
         replay(self.lightning_module, result.logs, self.root_device)
-        return {"loss": result.loss}
+        outputs = dict(result.extras or {}, loss=result.loss)   # what on_train_batch_end gets
+        if result.num_tokens is not None:
+            outputs["num_tokens"] = result.num_tokens   # the global batch's, as one process counts it
+        return outputs
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran every backward inside ``training_step``: hand its gradients back."""

@@ -153,6 +153,10 @@ MUTATIONS: List[Mutation] = [
              "                changed |= sent_tensors.get(name) is not value\n", "",
              ("tests/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",),
              ci=False),
+    Mutation("training-outputs-loss-only", "lightning_megatron/strategy.py",
+             "        outputs = dict(result.extras or {}, loss=result.loss)", "        outputs = dict(loss=result.loss)",
+             ("tests/test_user_logging.py::test_training_step_outputs_besides_the_loss_reach_on_train_batch_end[pp2]",),
+             ci=False),
     # clipping by value: every gradient element, wherever the optimizer holds it
     Mutation("clip-by-value-skipped", "lightning_megatron/precision.py",
              "        torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed\n",

@@ -139,3 +139,50 @@ def test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values
     for runs in run_on_ranks(_validated_thrice, world, kwargs, timeout=240):
         for run, expected in zip(runs, ref):
             assert run == pytest.approx(expected, rel=1e-5, abs=1e-7), (run, expected)
+
+
+# --- what training_step returns besides the loss reaches on_train_batch_end ---------------------------------
+
+class ReturnsMore(TinyGPT):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        labels = batch["labels"].float()
+        return {"loss": loss, "mean_label": labels.mean(), "per_sample": labels.mean(dim=1), "tag": "kept"}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append({k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in outputs.items()})
+
+
+def _outputs(kwargs):
+    from strategy_utils import TokenData
+
+    seen = {}
+
+    class Keep(ReturnsMore):
+        def on_train_end(self):
+            seen["outputs"] = self.seen
+
+    fit_tiny_gpt(kwargs, max_steps=3, module_cls=Keep, dataset=TokenData(n=64))
+    return seen["outputs"]
+
+
+@pytest.mark.parametrize("world, kwargs", [
+    (1, dict(micro_batch_size=2)),
+    (1, dict(micro_batch_size=2, cuda_graph="full", cuda_graph_backend="eager")),
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+    (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, virtual_pipeline_model_parallel_size=2)),
+], ids=["mbs2", "mbs2-full-graph", "pp2", "pp2-vpp2"])
+def test_training_step_outputs_besides_the_loss_reach_on_train_batch_end(world, kwargs):
+    ref = run_on_ranks(_outputs, 1, dict(), timeout=120)[0]
+    assert set(ref[0]) == {"loss", "mean_label", "per_sample", "tag"} and len(ref[0]["per_sample"]) == 8
+    for seen in run_on_ranks(_outputs, world, kwargs, timeout=180):   # every stage, the first ones too
+        assert len(seen) == len(ref)
+        for got, expected in zip(seen, ref):
+            assert got.keys() == expected.keys()
+            assert got["tag"] == "kept"
+            for key in ("loss", "mean_label", "per_sample"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5), key

@@ -37,7 +37,7 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
 from ..metric_sync import named_metrics, pending_changes, send_metric_states
-from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage, raise_log_error
+from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage, raise_log_error, to_host
 
 # micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output
 LastStage = Callable[[Any], Any]
@@ -49,10 +49,11 @@ class StepResult:
 
     ``loss``: the mean of the reported per-micro-batch values over the global batch (a float32
     device scalar; ``None`` for forward-only steps); with per-token losses, the reported sums over
-    the global token count. ``logs``: each name the last stage logged, combined over micro-batches by its reduce_fx,
-    with its ``log`` arguments. ``outputs``: the last stage's per-micro-batch outputs of a
+    the global token count. ``logs``: each name the last stage logged, combined over micro-batches by its
+    reduce_fx, with its ``log`` arguments. ``outputs``: the last stage's per-micro-batch outputs of a
     forward-only step (``None`` elsewhere). ``num_tokens``/``grad_scale``: per-token losses only, the
     global token count and the factor the data-parallel-averaged gradients must be multiplied by.
+    ``extras``: what ``run``'s ``extras()`` gave on the last stage, on every rank (other stages: on the CPU).
     """
 
     loss: Optional[torch.Tensor]
@@ -61,6 +62,7 @@ class StepResult:
     num_microbatches: int
     num_tokens: Optional[torch.Tensor] = None
     grad_scale: Optional[torch.Tensor] = None
+    extras: Any = None
 
 
 class _CaptureOnly:
@@ -68,8 +70,9 @@ class _CaptureOnly:
     every call's are equal as far as the graph's signature is concerned."""
 
     def __init__(self, last_stage: LastStage, step_context: Callable[[], ContextManager[Any]],
-                 no_sync: Optional[Callable[[], Any]]) -> None:
+                 no_sync: Optional[Callable[[], Any]], extras: Optional[Callable[[], Any]]) -> None:
         self.last_stage, self.step_context, self.no_sync = last_stage, step_context, no_sync
+        self.extras = extras
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _CaptureOnly)
@@ -158,31 +161,38 @@ class StepEngine:
     # -- the step ----------------------------------------------------------------------------------
     def run(self, batch: Any, last_stage: LastStage, *, forward_only: bool = False,
             step_context: Callable[[], ContextManager[Any]] = torch.enable_grad,
-            no_sync: Optional[Callable[[], Any]] = None, aux_loss_scale: float = 1.0) -> StepResult:
+            no_sync: Optional[Callable[[], Any]] = None, aux_loss_scale: float = 1.0,
+            extras: Optional[Callable[[], Any]] = None) -> StepResult:
         """One step over ``batch``. ``last_stage(microbatch)`` runs on the last pipeline stage inside
         ``step_context()``: for training it returns ``(loss to backpropagate, value to report)`` (and
         the token count, with per-token losses), for ``forward_only`` whatever the step outputs.
         ``no_sync``: the gradient buffers' context for every backward but the last. ``aux_loss_scale``:
         the factor of the backpropagated loss (loss scale / accumulation) that MoE balancing losses must
-        share."""
+        share. ``extras()``: called on the last stage after its micro-batches (inside a full-step graph: at
+        the capture, its tensors then being the graph's outputs); tensors, dicts and lists, handed to every
+        rank as ``StepResult.extras`` (under pipeline parallelism through the host: one sync, only when it
+        returns something)."""
         if self.full_graph is not None and not forward_only:
-            core = self.full_graph(batch, _CaptureOnly(last_stage, step_context, no_sync),
+            core = self.full_graph(batch, _CaptureOnly(last_stage, step_context, no_sync, extras),
                                    aux_loss_scale=aux_loss_scale)
         else:
-            core = self._schedule(batch, last_stage, forward_only, step_context, no_sync, aux_loss_scale)
+            core = self._schedule(batch, last_stage, forward_only, step_context, no_sync, aux_loss_scale,
+                                  extras=extras)
         return self._result(core, forward_only)
 
     def _graphed_step(self, batch: Any, callables: _CaptureOnly, aux_loss_scale: float) -> Dict[str, Any]:
         """What a full-step graph holds: every micro-batch's forward and backward on this rank (the
         callables run at the capture only; the graph returns the reported loss and logs as tensors)."""
         core = self._schedule(batch, callables.last_stage, False, callables.step_context, callables.no_sync,
-                              aux_loss_scale, in_graph=True)
+                              aux_loss_scale, in_graph=True, extras=callables.extras)
         return {"reported": core["reported"], "logs": core["logs"], "outputs": None,
-                "num_microbatches": core["num_microbatches"], "log_error": core["log_error"], "metric_logs": {}}
+                "num_microbatches": core["num_microbatches"], "log_error": core["log_error"], "metric_logs": {},
+                "extras": core["extras"]}
 
     def _schedule(self, batch: Any, last_stage: LastStage, forward_only: bool,
                   step_context: Callable[[], ContextManager[Any]], no_sync: Optional[Callable[[], Any]],
-                  aux_loss_scale: float, in_graph: bool = False) -> Dict[str, Any]:
+                  aux_loss_scale: float, in_graph: bool = False,
+                  extras: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
         state, module = self.state, self.module
         if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
             batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1)
@@ -254,6 +264,7 @@ class StepEngine:
                 reported = torch.stack([r.detach().float() for r in results]).mean()
         return {"reported": reported, "logs": capture.combined() if self.is_last_stage else {},
                 "log_error": capture.error, "metric_logs": capture.metric_logs,
+                "extras": extras() if extras is not None and self.is_last_stage else None,
                 "outputs": results if self.is_last_stage and forward_only else None,
                 "num_microbatches": len(microbatches)}
 
@@ -277,18 +288,20 @@ class StepEngine:
                 num_tokens = loss[1]
                 counted = num_tokens.clamp(min=1.0)   # no labelled token anywhere: zero loss and gradients
                 loss, grad_scale = loss[0] / counted, dp_cp / counted
-        logs, log_error = core["logs"], core["log_error"]
+        logs, log_error, extras = core["logs"], core["log_error"], core["extras"]
         if state.pp_size > 1:
-            metrics = (core["metric_logs"], pending_changes(self.metrics)) if self.is_last_stage else None
-            logs, log_error, metrics = broadcast_logs_from_last_stage(logs, state, self.device, log_error, metrics)
-            metric_logs, changes = metrics
+            host = (core["metric_logs"], pending_changes(self.metrics), to_host(extras)) if self.is_last_stage \
+                else None
+            logs, log_error, host = broadcast_logs_from_last_stage(logs, state, self.device, log_error, host)
+            metric_logs, changes, sent = host
+            extras = extras if self.is_last_stage else sent
             send_metric_states(self.metrics, changes, state)
             if not self.is_last_stage:   # the last stage logged its metrics during the step
                 copies = dict(self.metrics)
                 logs.update({name: (copies[path], args, kwargs) for name, (path, args, kwargs) in metric_logs.items()})
         raise_log_error(log_error)   # after the step's collectives, on every rank
         return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"],
-                          num_tokens=num_tokens, grad_scale=grad_scale)
+                          num_tokens=num_tokens, grad_scale=grad_scale, extras=extras)
 
     def close(self) -> None:
         """Give back the per-layer graphs' hooks (the model runs eagerly again)."""
