@@ -51,9 +51,11 @@ class TrainingLastStage:
     def __call__(self, microbatch: Any) -> Tuple[Any, ...]:
         out = self.module.training_step(microbatch, *self.step_args, **self.step_kwargs)
         loss, num_tokens = extract_loss(out, self.per_token)
-        if isinstance(out, Mapping) and len(out) > 1:
-            self.outputs.append({k: v.detach() if isinstance(v, torch.Tensor) else v
-                                 for k, v in out.items() if k != "loss"})
+        # "num_tokens" of per-token losses comes back as the global count (StepResult): no host transfer for it
+        extra = {k: v for k, v in out.items() if k != "loss" and not (self.per_token and k == "num_tokens")} \
+            if isinstance(out, Mapping) else {}
+        if extra:
+            self.outputs.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extra.items()})
         backward = loss / self.accumulate
         call_hooks(self.module.trainer, "on_before_backward", backward)
         scaled = self.scaler.scale(backward) if self.scaler is not None else backward

@@ -32,6 +32,12 @@ class PaddingUnlabelledLlama(PackedLlama):
         self.log("train_loss", total / count, sync_dist=True)
         return {"loss": total, "num_tokens": count} if self.per_token else total / count
 
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        """``probe``: the step's global token count (one process: counted on its whole batch)."""
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        count = outputs["num_tokens"] if self.per_token else (batch["document_ids"] >= 0).sum()
+        self.sums = getattr(self, "sums", []) + [float(count)]
+
 
 class MeanLossLlama(PaddingUnlabelledLlama):
     per_token = False
@@ -84,6 +90,7 @@ def test_per_token_loss_matches_one_process(one_process, name):
     assert_same_updates(out[0]["params"], one_process["params"], rtol=1e-4, atol=1e-5)
     for rank_out in out:   # what Lightning reports as the step's loss: the global token mean
         assert rank_out["losses"] == pytest.approx(one_process["losses"], rel=1e-5, abs=1e-6)
+        assert rank_out["probe"] == one_process["probe"]   # outputs["num_tokens"]: the global batch's count
 
 
 @pytest.mark.parametrize("name", ["dp2-mb2", "cp2"])
