@@ -35,6 +35,18 @@ def check_automatic_optimization(module: Any) -> None:
             "different settings).")
 
 
+def check_model_kept(module: Any, before: set) -> None:
+    """Refuse a ``configure_model`` that replaced parameters an earlier run of this module built (``before``:
+    their ids): Lightning calls the hook at every ``fit``/``validate``/``test``/``predict``, and a rebuilt model
+    would silently evaluate or train fresh weights instead of the trained ones."""
+    if before and before - {id(p) for p in module.parameters()}:
+        raise RuntimeError(
+            f"{type(module).__name__}.configure_model built new parameters in place of the ones an earlier "
+            "trainer.fit/validate/test/predict of this module used, so their trained values would be lost: "
+            "Lightning calls configure_model at every entry point, so return early when the model exists "
+            "(e.g. `if hasattr(self, \"model\"): return` at the top of configure_model).")
+
+
 class TrainingLastStage:
     """What the last stage runs per micro-batch: ``(loss to backpropagate, loss to report[, token count])``;
     the other entries of a dict ``training_step`` returns are kept per micro-batch and joined by ``extras()``

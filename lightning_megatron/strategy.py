@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place, remove_checkpoint_path,
@@ -48,7 +49,8 @@ from .pipeline.shared_embeddings import check_tied_optimizer_settings
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
-from .step_hooks import TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, to_cpu
+from .step_hooks import (TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, check_model_kept,
+                         to_cpu)
 from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
 
 class MegatronStrategy(ParallelStrategy):
@@ -214,9 +216,14 @@ class MegatronStrategy(ParallelStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` runs inside: models built there take the strategy's ``sequence_parallel``."""
+        """``configure_model`` runs inside: models built there take the strategy's ``sequence_parallel``; one
+        that rebuilds the model an earlier run of the module trained is refused."""
+        module = self.lightning_module
+        before = {id(p) for p in module.parameters()} if module is not None else set()
         with model_defaults(sequence_parallel=self.parallel.sequence_parallel):
             yield
+        if module is not None:
+            check_model_kept(module, before)
 
     def _state(self) -> ParallelState:
         if self.parallel_state is None:
@@ -341,7 +348,7 @@ class MegatronStrategy(ParallelStrategy):
             stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "evaluation"
             raise ValueError(wrong_sampler_message(dataloader, stage, shards["num_replicas"]))
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
-            return ResumableLoader(dataloader)
+            return ResumableLoader(dataloader, current_epoch=lambda: trainer.current_epoch)
         return dataloader
 
     def on_predict_end(self) -> None:
@@ -352,7 +359,13 @@ class MegatronStrategy(ParallelStrategy):
         loaders = self.lightning_module.trainer.predict_dataloaders
         for index, batches in enumerate(loop._predictions):
             total = len((loaders[index] if isinstance(loaders, (list, tuple)) else loaders).dataset)
-            batches[:] = in_dataset_order(batches, self._state(), total)
+            ordered = in_dataset_order(batches, self._state(), total)
+            if ordered is None:
+                rank_zero_warn("predict_step returned something other than tensors (in dicts, tuples or lists) with "
+                               "the batch as their first dimension: under data parallelism each rank returns its own "
+                               "samples' predictions, not the whole dataset's in order. Return tensors for that.")
+            else:
+                batches[:] = ordered
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:

@@ -54,6 +54,8 @@ class TinyGPT(L.LightningModule):
         self.step_losses = []
 
     def configure_model(self):
+        if hasattr(self, "model"):   # Lightning calls it at every fit/validate/test/predict
+            return
         cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4,
                                 hidden_dropout=self.dropout, attention_dropout=self.dropout, **self.config)
         self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank))

@@ -382,3 +382,77 @@ def test_models_built_in_configure_model_follow_the_strategys_sequence_parallel(
                       timeout=120)
     off = run_on_ranks(_built_with_sequence_parallel, 2, dict(tensor_model_parallel_size=2), timeout=120)
     assert on == [[True], [True]] and off == [[False], [False]]
+
+
+class _Rebuilds(TinyGPT):
+    """The README's old ``configure_model``: builds a new model at every call."""
+
+    def configure_model(self):
+        if hasattr(self, "model"):
+            del self.model
+        super().configure_model()
+
+
+def _validate_after_fit(kwargs, rebuild):
+    from strategy_utils import TokenData
+
+    world = int(os.environ["WORLD_SIZE"])
+    batch = 8 // (world // kwargs.get("pipeline_model_parallel_size", 1))
+    L.seed_everything(0, verbose=False)
+    module = (_Rebuilds if rebuild else TinyGPT)()
+    trainer = L.Trainer(strategy=MegatronStrategy(**kwargs), accelerator="cpu", devices=world, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        max_epochs=1, limit_train_batches=4, num_sanity_val_steps=0)
+    val = DataLoader(TokenData(n=16, seed=3), batch_size=batch)
+    trainer.fit(module, DataLoader(TokenData(n=64), batch_size=batch), val)
+    after_fit = float(trainer.callback_metrics["val_loss"])
+    try:
+        again = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    except RuntimeError as err:
+        return str(err)
+    return after_fit, float(again)
+
+
+@pytest.mark.parametrize("world, kwargs", [(1, dict()), (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2))],
+                         ids=["one", "pp2"])
+def test_validate_after_fit_evaluates_the_trained_model_and_a_rebuilding_configure_model_is_refused(world, kwargs):
+    for after_fit, again in run_on_ranks(_validate_after_fit, world, kwargs, False, timeout=180):
+        assert again == pytest.approx(after_fit, rel=1e-6)
+    out = run_on_ranks(_validate_after_fit, world, kwargs, True, timeout=180)
+    assert all(o == out[0] for o in out) and "configure_model built new parameters" in out[0], out
+
+
+def _predict_structured(kwargs, kind):
+    """predict_step returning a dict with a nested tuple of tensors (``kind="nested"``) or per-sample strings."""
+    from strategy_utils import PredictingGPT, TokenData
+
+    class Structured(PredictingGPT):
+        def predict_step(self, batch, batch_idx):
+            ids = super().predict_step(batch, batch_idx)
+            if kind == "nested":
+                return {"ids": ids, "pair": (ids[:, 0], ids + 1)}
+            return [f"sample {int(i)}" for i in ids[:, 0]]
+
+    world = int(os.environ["WORLD_SIZE"])
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=MegatronStrategy(**kwargs), accelerator="cpu", devices=world, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = trainer.predict(Structured(), DataLoader(TokenData(n=10, seed=2), batch_size=4 // world))
+    warned = [str(w.message) for w in caught if "predict_step returned" in str(w.message)]
+    if kind != "nested":
+        return sum(out, []), warned
+    return {"ids": torch.cat([o["ids"] for o in out]), "first": torch.cat([o["pair"][0] for o in out]),
+            "next": torch.cat([o["pair"][1] for o in out])}, warned
+
+
+def test_structured_predictions_are_put_in_dataset_order_and_others_warn():
+    ref, _ = run_on_ranks(_predict_structured, 1, dict(), "nested", timeout=120)[0]
+    assert ref["ids"].shape == (10, 8)
+    for out, warned in run_on_ranks(_predict_structured, 2, dict(), "nested", timeout=180):
+        assert warned == [] and all(torch.equal(out[k], ref[k]) for k in ref)
+    strings = run_on_ranks(_predict_structured, 2, dict(), "strings", timeout=180)
+    assert len(strings[0][0]) == 5 and len(strings[0][1]) == 1   # rank 0's own 5 of the 10 samples, and it says so

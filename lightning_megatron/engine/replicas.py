@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch import nn
 
 from ..parallel import ParallelState
@@ -52,14 +53,29 @@ def sync_metrics_over_data_parallel(model: nn.Module, state: ParallelState) -> N
 _OURS = "_data_parallel_group_set_by_megatron"
 
 
-def in_dataset_order(batches: List[Any], state: ParallelState, total: int) -> List[Any]:
+def in_dataset_order(batches: List[Any], state: ParallelState, total: int) -> Optional[List[Any]]:
     """Per-batch predictions of every data-parallel rank, interleaved back into dataset order (a collective
     over dp). A distributed sampler gives rank r the samples r, r+dp, r+2dp, ... (padded by repeating the
-    first ones); outputs that are not tensors with a batch dimension are returned as they are."""
-    if state.dp_size == 1 or not batches or not all(isinstance(b, torch.Tensor) and b.dim() for b in batches):
+    first ones). Outputs nest dicts, tuples and lists whose leaves are tensors with the batch as their first
+    dimension (the same on every rank); anything else (strings, a list per sample) gives ``None``: it cannot
+    be put in order (the decision is this rank's: every rank's outputs have the same structure)."""
+    if state.dp_size == 1 or not batches:
         return batches
-    local = torch.cat([b.cpu() for b in batches])
+    flat = [tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    ordered_leaves = all(
+        s == spec and leaves and all(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == leaves[0].shape[0]
+                                     for t in leaves)
+        for leaves, s in flat)
+    if not ordered_leaves:
+        return None
+    columns = [_column_in_order([leaves[i] for leaves, _ in flat], state, total) for i in range(len(flat[0][0]))]
+    return [tree_unflatten([column[j] for column in columns], spec) for j in range(len(columns[0]))]
+
+
+def _column_in_order(tensors: List[torch.Tensor], state: ParallelState, total: int) -> List[torch.Tensor]:
+    local = torch.cat([t.cpu() for t in tensors])
     gathered: List[Any] = [None] * state.dp_size
     dist.all_gather_object(gathered, local, group=state.dp_group)
     ordered = torch.stack(gathered, dim=1).flatten(0, 1)[:total]
-    return list(ordered.split(batches[0].shape[0] * state.dp_size))
+    return list(ordered.split(tensors[0].shape[0] * state.dp_size))
