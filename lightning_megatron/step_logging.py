@@ -139,6 +139,26 @@ def _as_value(name: str, value: Any) -> torch.Tensor:
                     "a one-element tensor.")
 
 
+def combine_logs_over(logs: Dict[str, Record], group: Any, size: int) -> Dict[str, Record]:
+    """Each logged value combined over ``group``'s ranks by its ``reduce_fx`` (a collective: the same names on
+    every rank of the group), as if one rank had logged from all their shares; metric objects are left alone.
+    One all-reduce per kind of reduction, on the device (no host sync)."""
+    by_op: Dict[str, List[str]] = {}
+    for name, (value, args, kwargs) in logs.items():
+        if isinstance(value, torch.Tensor):
+            by_op.setdefault(_reduce_fx(args, kwargs), []).append(name)
+    out = dict(logs)
+    ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    for reduce, names in sorted(by_op.items()):
+        values = torch.stack([logs[name][0].float() for name in names])
+        dist.all_reduce(values, op=ops[reduce], group=group)
+        if reduce == "mean":   # the shares are equal (each rank holds 2 of the 2·cp chunks of every sequence)
+            values = values / size
+        for i, name in enumerate(names):
+            out[name] = (values[i], logs[name][1], logs[name][2])
+    return out
+
+
 def raise_log_error(error: Optional[Tuple[str, str]]) -> None:
     """Raise what a step's ``log`` call could not record (the same on every rank it reached)."""
     if error is not None:
@@ -179,8 +199,8 @@ def broadcast_logs_from_last_stage(logs: Dict[str, Record], state: ParallelState
 
 
 class _DataParallelGroup:
-    """Stands for the data-parallel (dp x cp) group as ``sync_dist_group``; the strategy's ``reduce`` puts in
-    the group of the current run. Lightning compares every ``self.log`` call with the first one of that name
+    """Stands for the data-parallel group as ``sync_dist_group`` (the step combined the values over cp
+    already); the strategy's ``reduce`` puts in the group of the current run. Lightning compares every ``self.log`` call with the first one of that name
     for the Trainer's whole life, and ``setup_environment`` builds new process groups for each
     ``fit``/``validate``/``test``: passing the group itself made the second run fail ("twice ... with
     different arguments"). One object, the same in every run."""

@@ -372,7 +372,7 @@ class MegatronStrategy(ParallelStrategy):
         from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
         if group is DATA_PARALLEL_GROUP:   # what the replayed logs sync over: this run's data-parallel group
-            group = self._state().dp_cp_group
+            group = self._state().dp_group   # (the step combined them over cp already)
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

@@ -165,6 +165,13 @@ MUTATIONS: List[Mutation] = [
              "        if key is not None and resume.get(\"epoch\") == key:", "        if True:",
              ("tests/test_resume_data.py::test_a_sequential_loader_resumes_exactly_mid_epoch_and_at_an_epoch_end",),
              ci=False),
+    Mutation("cp-logs-not-combined", "lightning_megatron/engine/step.py",
+             "        if state.cp_size > 1:   # each cp rank logged", "        if False:   # each cp rank logged",
+             ("tests/test_user_logging.py::test_values_logged_from_shares_of_the_sequences_are_one_process_values[cp2]",)),
+    Mutation("cp-splits-every-2d-tensor", "lightning_megatron/engine/step.py",
+             "keys=sequence_keys(batch))", "keys=None)",
+             ("tests/test_user_logging.py::test_values_logged_from_shares_of_the_sequences_are_one_process_values[cp2]",),
+             ci=False),
     # clipping by value: every gradient element, wherever the optimizer holds it
     Mutation("clip-by-value-skipped", "lightning_megatron/precision.py",
              "        torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed\n",

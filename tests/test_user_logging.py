@@ -186,3 +186,48 @@ def test_training_step_outputs_besides_the_loss_reach_on_train_batch_end(world, 
             assert got["tag"] == "kept"
             for key in ("loss", "mean_label", "per_sample"):
                 assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+# --- context parallelism: each rank holds a share of every sequence ---------------------------------------
+
+class WithClassProbs(torch.utils.data.Dataset):
+    """TokenData plus a per-sample vector (not a sequence: context parallelism must not cut it)."""
+
+    def __init__(self, n=32):
+        from strategy_utils import TokenData
+
+        self.tokens = TokenData(n=n)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return dict(self.tokens[i], class_probs=torch.arange(4.0) + i)
+
+
+class ShareLoggingGPT(TinyGPT):
+    """Logs without ``sync_dist``: values every tp/cp/pp peer must agree on (one process's, data-parallel
+    rank by rank as under DDP)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        labels = batch["labels"]
+        self.log("low_tokens_local", (labels < VOCAB // 4).sum().float(), reduce_fx="sum")
+        self.log("max_id_local", labels.max().float(), reduce_fx="max")
+        self.log("first_prob", batch["class_probs"][:, 0].mean())
+        self.log("loss_local", loss)
+        return loss
+
+
+def _share_logged(kwargs):
+    return fit_tiny_gpt(kwargs, max_steps=3, module_cls=ShareLoggingGPT, dataset=WithClassProbs())["logged"]
+
+
+@pytest.mark.parametrize("world, kwargs", [(2, dict(context_parallel_size=2)),
+                                           (4, dict(context_parallel_size=2, tensor_model_parallel_size=2)),
+                                           (2, dict(context_parallel_size=2, micro_batch_size=2))],
+                         ids=["cp2", "cp2-tp2", "cp2-mbs2"])
+def test_values_logged_from_shares_of_the_sequences_are_one_process_values(world, kwargs):
+    ref = run_on_ranks(_share_logged, 1, dict(), timeout=120)[0]
+    for logged in run_on_ranks(_share_logged, world, kwargs, timeout=180):
+        assert logged == pytest.approx(ref, rel=1e-5), (logged, ref)

@@ -99,6 +99,20 @@ def split_for_context_parallel(batch: Union[torch.Tensor, Mapping[str, Any]], cp
     return out
 
 
+def sequence_keys(batch: Any, seq_dim: int = 1) -> Optional[List[str]]:
+    """The entries of a mapping batch that are sequences: tensors whose ``seq_dim`` has the length of
+    ``batch["input_ids"]`` (else of the first tensor with that axis). A ``[b, 4]`` per-sample vector beside
+    ``[b, s]`` ids is not one. ``None`` for a batch that is not a mapping (split as before)."""
+    if not isinstance(batch, Mapping):
+        return None
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > seq_dim}
+    if not tensors:
+        return []
+    ids = tensors.get("input_ids")
+    length = (ids if ids is not None else next(iter(tensors.values()))).shape[seq_dim]
+    return [k for k, v in tensors.items() if v.shape[seq_dim] == length]
+
+
 def gather_context_parallel_slices(slices: Sequence[torch.Tensor], seq_dim: int = 1) -> torch.Tensor:
     """The full sequence from every cp rank's slice (``slices[r]`` from rank ``r``): the inverse of
     :func:`split_for_context_parallel`. For outputs and tests; inside a model use the collective

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..context_parallel import split_for_context_parallel
+from ..context_parallel import sequence_keys, split_for_context_parallel
 from ..distributed import split_into_microbatches
 from ..distributed.microbatches import batch_size_of
 from ..moe import TopKRouter, set_aux_loss_scale
@@ -37,7 +37,8 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
 from ..metric_sync import named_metrics, pending_changes, send_metric_states
-from ..step_logging import Record, StepLogCapture, broadcast_logs_from_last_stage, raise_log_error, to_host
+from ..step_logging import (Record, StepLogCapture, broadcast_logs_from_last_stage, combine_logs_over, raise_log_error,
+                            to_host)
 
 # micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output
 LastStage = Callable[[Any], Any]
@@ -195,7 +196,8 @@ class StepEngine:
                   extras: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
         state, module = self.state, self.module
         if state.cp_size > 1:   # this rank's load-balanced share of every sequence (chunks i, 2cp-1-i)
-            batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1)
+            batch = split_for_context_parallel(batch, state.cp_size, state.cp_rank, seq_dim=1,
+                                               keys=sequence_keys(batch))   # per-sample vectors stay whole
         # evaluation keeps every sample of a ragged last batch (a smaller last micro-batch, logs weighted by size)
         microbatches = split_into_microbatches(batch, self.micro_batch_size, allow_smaller_last=forward_only)
         sizes = [batch_size_of(m) or 1 for m in microbatches]
@@ -300,6 +302,8 @@ class StepEngine:
                 copies = dict(self.metrics)
                 logs.update({name: (copies[path], args, kwargs) for name, (path, args, kwargs) in metric_logs.items()})
         raise_log_error(log_error)   # after the step's collectives, on every rank
+        if state.cp_size > 1:   # each cp rank logged from its share of the sequences: one value for them all
+            logs = combine_logs_over(logs, state.cp_group, state.cp_size)
         return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"],
                           num_tokens=num_tokens, grad_scale=grad_scale, extras=extras)
 
