@@ -35,6 +35,7 @@ from .checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place,
                                       save_trainer_checkpoint)
 from .distributed import FullOptimizerView
 from .distributed.gradients import GradientState, checkpoint_views
+from .distributed.microbatches import ragged_last_batch
 from .engine import StepEngine
 from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
                               sync_metrics_over_data_parallel)
@@ -348,6 +349,12 @@ class MegatronStrategy(ParallelStrategy):
             stage = trainer.state.stage.value if trainer is not None and trainer.state.stage else "evaluation"
             raise ValueError(wrong_sampler_message(dataloader, stage, shards["num_replicas"]))
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
+            last = ragged_last_batch(dataloader, self.parallel.micro_batch_size)
+            if last is not None:   # raised at that step; said now, before an epoch of work
+                rank_zero_warn(f"The last training batch of every epoch holds {last} samples per data-parallel "
+                               f"rank, which micro_batch_size={self.parallel.micro_batch_size} does not divide: that "
+                               "step will be refused. Set drop_last=True on the DataLoader, or a batch size whose "
+                               "remainder it divides.")
             return ResumableLoader(dataloader, current_epoch=lambda: trainer.current_epoch)
         return dataloader
 

@@ -456,3 +456,21 @@ def test_structured_predictions_are_put_in_dataset_order_and_others_warn():
         assert warned == [] and all(torch.equal(out[k], ref[k]) for k in ref)
     strings = run_on_ranks(_predict_structured, 2, dict(), "strings", timeout=180)
     assert len(strings[0][0]) == 5 and len(strings[0][1]) == 1   # rank 0's own 5 of the 10 samples, and it says so
+
+
+def _ragged_warnings(kwargs, size):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_tiny_gpt(kwargs, max_steps=1, dataset_size=size)
+    return [str(w.message) for w in caught if "last training batch" in str(w.message)]
+
+
+@pytest.mark.parametrize("world, kwargs", [(1, dict(micro_batch_size=2)),
+                                           (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2))])
+def test_a_last_training_batch_that_micro_batches_cannot_split_is_announced_at_setup(world, kwargs):
+    """29 samples in batches of 8 end in a batch of 5, whose step would be refused after the epoch's others."""
+    warned = run_on_ranks(_ragged_warnings, world, kwargs, 29, timeout=120)[0]
+    assert len(warned) == 1 and "holds 5 samples" in warned[0] and "micro_batch_size=2" in warned[0], warned
+    assert run_on_ranks(_ragged_warnings, world, kwargs, 30, timeout=120)[0] == []   # a last batch of 6 splits

@@ -44,6 +44,21 @@ def split_into_microbatches(batch: Any, micro_batch_size: Optional[int], allow_s
     return [_take(batch, start, min(start + micro_batch_size, size), size) for start in starts]
 
 
+def ragged_last_batch(loader: Any, micro_batch_size: Optional[int]) -> Optional[int]:
+    """The samples per data-parallel rank of ``loader``'s last batch of an epoch when ``micro_batch_size`` does
+    not divide them (that training step will be refused), else ``None``. Known for a loader with a batch size
+    over a sampler of known length, without ``drop_last``."""
+    batch_size, sampler = getattr(loader, "batch_size", None), getattr(loader, "sampler", None)
+    if micro_batch_size is None or not batch_size or getattr(loader, "drop_last", False):
+        return None
+    try:
+        samples = len(sampler)
+    except TypeError:   # an IterableDataset's stream: no length
+        return None
+    last = samples % batch_size
+    return last if last and last % micro_batch_size else None
+
+
 def _take(batch: Any, start: int, end: int, size: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[start:end] if batch.dim() and batch.shape[0] == size else batch
