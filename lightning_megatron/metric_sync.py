@@ -18,6 +18,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .parallel import ParallelState
+from .step_logging import to_host
 
 # per metric, what the other stages already hold: (update count, {tensor state: the tensor sent},
 # {list state: (items sent, the last item sent)}); the objects themselves are kept, so a reset (new tensors,
@@ -63,14 +64,13 @@ def pending_changes(metrics: List[Tuple[str, Any]]) -> List[Change]:
     return changes
 
 
-def send_metric_states(metrics: List[Tuple[str, Any]], changes: List[Change], state: ParallelState) -> None:
-    """Make every stage's metrics named in ``changes`` hold the last stage's states (a collective over the
-    pipeline: call it on every stage with the same ``changes``)."""
+def send_metric_states(by_path: Dict[str, Any], changes: List[Change], state: ParallelState) -> None:
+    """Make every stage's metrics named in ``changes`` (``by_path``: path -> metric) hold the last stage's
+    states (a collective over the pipeline: call it on every stage with the same ``changes``)."""
     if not changes:
         return
     src = state.ranks("pp")[-1]
     mine = state.rank == src
-    by_path = dict(metrics)
     tensors: Dict[torch.dtype, List[Tuple[Any, str, Optional[torch.Tensor]]]] = {}
     for path, _, layout, _ in changes:
         metric = by_path[path]
@@ -87,7 +87,7 @@ def send_metric_states(metrics: List[Tuple[str, Any]], changes: List[Change], st
     items = [[getattr(by_path[path], name)[first:] for name, first in lists] for path, _, _, lists in changes] \
         if mine else None
     if any(lists for _, _, _, lists in changes):
-        box = [_to_cpu(items)]
+        box = [to_host(items)]
         dist.broadcast_object_list(box, src=src, group=state.pp_host_group)
         items = box[0]
     for index, (path, count, layout, lists) in enumerate(changes):
@@ -106,11 +106,3 @@ def send_metric_states(metrics: List[Tuple[str, Any]], changes: List[Change], st
                 metric._forward_cache = None
         sent_tensors = {name: getattr(metric, name) for name, _, _ in layout if name != "_forward_cache"}
         setattr(metric, _SENT, (count, sent_tensors, sent_lists))
-
-
-def _to_cpu(items: Any) -> Any:
-    if isinstance(items, torch.Tensor):
-        return items.detach().cpu()
-    if isinstance(items, list):
-        return [_to_cpu(i) for i in items]
-    return items

@@ -112,14 +112,3 @@ def _concat(outputs: List[Any]) -> Any:
     if isinstance(first, (str, bool, int, float)) and all(o == first for o in outputs):
         return first   # the same plain value from every micro-batch (as equal tensor scalars average to it)
     return outputs
-
-
-def to_cpu(obj: Any) -> Any:
-    """Tensors in ``obj`` (nested in mappings, lists and tuples) detached onto the CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, Mapping):
-        return type(obj)({k: to_cpu(v) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj

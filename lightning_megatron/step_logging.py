@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -229,13 +229,18 @@ def replay(module: Any, records: Dict[str, Record], device: torch.device) -> Non
 
 
 def to_host(obj: Any) -> Any:
-    """Tensors as Python floats/CPU tensors before pickling them for another rank."""
+    """Tensors (nested in mappings, lists, tuples and named tuples, whose types are kept) detached onto the CPU:
+    before pickling them for another rank, or handing predictions back."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(to_host(v) for v in obj)
-    if isinstance(obj, list):
-        return [to_host(v) for v in obj]
+    if isinstance(obj, Mapping):
+        items = {k: to_host(v) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:   # a mapping type not built from a dict (e.g. a defaultdict): a plain dict
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_host(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
     return obj

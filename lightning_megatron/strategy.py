@@ -50,9 +50,8 @@ from .pipeline.shared_embeddings import check_tied_optimizer_settings
 from .moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
-from .step_hooks import (TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, check_model_kept,
-                         to_cpu)
-from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay
+from .step_hooks import TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, check_model_kept
+from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay, to_host
 
 class MegatronStrategy(ParallelStrategy):
     """Tensor (+sequence), pipeline (1F1B / interleaved), data, context and expert parallelism.
@@ -335,7 +334,7 @@ class MegatronStrategy(ParallelStrategy):
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         out = self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-        return broadcast_from_last_stage(to_cpu(out), self._state())   # rank 0 holds the first stage
+        return broadcast_from_last_stage(to_host(out), self._state())   # rank 0 holds the first stage
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """A user's DistributedSampler must shard by data-parallel rank (checked on every rank, raised on every

@@ -136,6 +136,7 @@ class StepEngine:
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]   # found once, set every step
         self.metrics = named_metrics(module)   # torchmetrics objects, kept equal over the pipeline's stages
         self._metric_paths = {id(metric): path for path, metric in self.metrics}
+        self._metric_by_path = dict(self.metrics)
         self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
@@ -297,9 +298,9 @@ class StepEngine:
             logs, log_error, host = broadcast_logs_from_last_stage(logs, state, self.device, log_error, host)
             metric_logs, changes, sent = host
             extras = extras if self.is_last_stage else sent
-            send_metric_states(self.metrics, changes, state)
+            send_metric_states(self._metric_by_path, changes, state)
             if not self.is_last_stage:   # the last stage logged its metrics during the step
-                copies = dict(self.metrics)
+                copies = self._metric_by_path
                 logs.update({name: (copies[path], args, kwargs) for name, (path, args, kwargs) in metric_logs.items()})
         raise_log_error(log_error)   # after the step's collectives, on every rank
         if state.cp_size > 1:   # each cp rank logged from its share of the sequences: one value for them all
