@@ -112,7 +112,7 @@ def run_one(name: str, tiny: bool = False) -> dict:
     import lightning as L
 
     from lightning_megatron import MegatronStrategy
-    from lightning_megatron.fp8 import Float8Config, enable_fp8
+    from lightning_megatron.quantization.float8 import Float8Config, enable_fp8
     from lightning_megatron.models import GPTModel
     from lightning_megatron.transformer import TransformerConfig
 

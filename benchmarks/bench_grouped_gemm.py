@@ -77,7 +77,7 @@ def bench_config(name: str, experts: int, hidden: int, ffn: int, tokens: int, to
     for impl, counts in variants:
         mlp.backend = "grouped_mm" if impl in ("grouped_mm", "fp8") else "loop"
         if impl == "fp8":
-            from lightning_megatron.fp8 import Float8GroupedMatmul
+            from lightning_megatron.quantization.float8 import Float8GroupedMatmul
 
             mlp.float8 = Float8GroupedMatmul("bench")
         else:

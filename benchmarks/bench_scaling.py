@@ -223,7 +223,7 @@ def launch(layout: Layout, args, out_path: str) -> Optional[dict]:
 
 
 def flops_per_step(layout: Layout, tiny: bool) -> float:
-    from lightning_megatron.flops import training_flops_per_sequence
+    from lightning_megatron.transformer.flops import training_flops_per_sequence
 
     config, spec = transformer_config(layout.workload, tiny)
     return layout.global_batch * training_flops_per_sequence(config, spec["seq"], spec["vocab"])

@@ -347,7 +347,7 @@ def main() -> None:
     g = GPT
     n_params = 12 * g["layers"] * g["hidden"] ** 2 + g["vocab"] * g["hidden"]
     gpt_flops = (6 * n_params + 12 * g["layers"] * g["seq"] * g["hidden"]) * g["batch"] * g["seq"]
-    from lightning_megatron.flops import training_flops_per_sequence   # causal attention counted half
+    from lightning_megatron.transformer.flops import training_flops_per_sequence   # causal attention counted half
 
     llama_flops = training_flops_per_sequence(llama_config(), LLAMA["seq"], LLAMA["vocab"]) * LLAMA["batch"]
     print("\n| configuration | step ms | vs plain loop (same model) | vs plain whole-step graph | MFU (measured peak) "

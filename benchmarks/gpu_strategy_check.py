@@ -20,7 +20,7 @@ import torch
 
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.moe import MoEConfig
-from lightning_megatron.pretrain import GPTPretraining, PatternTokens
+from lightning_megatron.recipes.pretrain import GPTPretraining, PatternTokens
 
 
 class Recorder(L.Callback):

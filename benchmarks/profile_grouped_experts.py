@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from timing import gpu_kernels   # benchmarks/timing.py (this folder is on sys.path when run as a script)
 
-from lightning_megatron.fp8 import Float8GroupedMatmul
+from lightning_megatron.quantization.float8 import Float8GroupedMatmul
 from lightning_megatron.moe import GroupedMLP
 
 

@@ -1,4 +1,4 @@
-"""Write the small synthetic MNLI-format sample shipped in ``lightning_megatron/data/sample/``.
+"""Write the small synthetic MNLI-format sample shipped in ``lightning_megatron/recipes/data/sample/``.
 
 It exists so the first recipe runs anywhere in about a minute; it is NOT MultiNLI. Each templated
 premise gets one hypothesis per label, like MultiNLI's prompts: entailment drops detail,

@@ -133,7 +133,7 @@ for split in ("train", "dev"):
                            "answers": ["ABCD"[answer]]}, f)
 EOF
 RACE_CPU=(--config examples/race.yaml "${CPU_BERT[@]}" --data.data_dir "$WORK/race"
-          --data.tokenizer lightning_megatron/data/sample --data.batch_size 4 --data.eval_batch_size 4
+          --data.tokenizer lightning_megatron/recipes/data/sample --data.batch_size 4 --data.eval_batch_size 4
           --data.max_seq_length 64 --data.max_qa_length 16)
 fit "mnli.yaml at its layout, tensor parallel 2 (2 CPU ranks, 2 steps)" "dev accuracy \(epoch 0, step 2\)" mnli_tp2 \
     "${MNLI_CPU[@]}"

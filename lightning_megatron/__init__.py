@@ -1,18 +1,33 @@
 """Megatron-style parallelism for ordinary PyTorch Lightning modules.
 
-Importing the package registers ``strategy="megatron"`` with Lightning's StrategyRegistry
-(Lightning has no entry-point discovery for strategies).
+``import lightning_megatron`` makes ``Trainer(strategy="megatron")`` work. It imports neither Lightning
+nor the machinery: public names load on first use, and the strategy's name is registered with Lightning's
+StrategyRegistry when Lightning itself is imported (see ``_registration.py``).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from typing import TYPE_CHECKING
 
-from .parallel import ParallelLayout, ParallelState, RankGenerator, get_parallel_state
-from .strategy import MegatronStrategy
+from ._lazy import lazy_face
+from ._registration import register_when_lightning_loads
 
 __version__ = "0.1.0.dev0"
 
-if MegatronStrategy.strategy_name not in StrategyRegistry:
-    MegatronStrategy.register_strategies(StrategyRegistry)
+__getattr__, __dir__ = lazy_face(__name__, {
+    "MegatronStrategy": ".adapter.strategy",
+    "MegatronThroughputMonitor": ".adapter.callbacks",
+    "ParallelLayout": ".parallel.topology",
+    "RankGenerator": ".parallel.topology",
+    "ParallelState": ".parallel.state",
+    "get_parallel_state": ".parallel.state",
+})
 
-__all__ = ["MegatronStrategy", "ParallelLayout", "ParallelState", "RankGenerator", "get_parallel_state",
-           "__version__"]
+if TYPE_CHECKING:
+    from .adapter.callbacks import MegatronThroughputMonitor
+    from .adapter.strategy import MegatronStrategy
+    from .parallel.state import ParallelState, get_parallel_state
+    from .parallel.topology import ParallelLayout, RankGenerator
+
+register_when_lightning_loads()
+
+__all__ = ["MegatronStrategy", "MegatronThroughputMonitor", "ParallelLayout", "ParallelState", "RankGenerator",
+           "get_parallel_state", "__version__"]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_megatron.corpus import (BlendedDataset, PackedDocuments, TokenFile, TokenWindows, blend_indices,
+from lightning_megatron.recipes.corpus import (BlendedDataset, PackedDocuments, TokenFile, TokenWindows, blend_indices,
                                        write_token_file)
-from lightning_megatron.corpus.preprocess import load_tokenizer, preprocess
-from lightning_megatron.corpus.sample import write_sample_corpus
+from lightning_megatron.recipes.corpus.preprocess import load_tokenizer, preprocess
+from lightning_megatron.recipes.corpus.sample import write_sample_corpus
 
 
 def _docs(n=30, seed=0, vocab=100):
@@ -29,7 +29,7 @@ def test_token_file_round_trip_and_dtype(tmp_path):
     assert big.tokens.dtype == np.int32 and big.document(0).tolist() == [70000, 1]
     with pytest.raises(ValueError, match="token id 100 is outside the vocabulary"):
         write_token_file(tmp_path / "bad", [[1, 100]], vocab_size=100)
-    with pytest.raises(FileNotFoundError, match="lightning_megatron.corpus.preprocess"):
+    with pytest.raises(FileNotFoundError, match="lightning_megatron.recipes.corpus.preprocess"):
         TokenFile(tmp_path / "missing")
 
 
@@ -54,7 +54,7 @@ def test_preprocess_keeps_input_order_and_ends_documents(sample, tmp_path):
 
 
 def test_preprocess_command_line(sample, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "lightning_megatron.corpus.preprocess", "--input",
+    run = subprocess.run([sys.executable, "-m", "lightning_megatron.recipes.corpus.preprocess", "--input",
                           str(sample / "valid.txt"), "--tokenizer", str(sample / "tokenizer"), "--output-prefix",
                           str(tmp_path / "valid")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_megatron.data import (
+from lightning_megatron.recipes.data import (
     MNLI_LABELS, SAMPLE_DIR, DataFormatError, MNLIDataModule, find_mnli_files, read_mnli,
 )
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lightning_megatron.data import RACE_LEVELS, DataFormatError, read_race, read_race_dir
+from lightning_megatron.recipes.data import RACE_LEVELS, DataFormatError, read_race, read_race_dir
 
 
 def passage(pid, n=2, **changes):

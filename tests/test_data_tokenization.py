@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from lightning_megatron.data import (
+from lightning_megatron.recipes.data import (
     SAMPLE_DIR, MNLIDataModule, MNLIDataset, MNLIExample, PadCollate, RaceDataModule, RaceDataset, RaceQuestion,
     WordPieceTokenizer, longest_first, race_query,
 )

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.config import GradientConfig
+from lightning_megatron.distributed.config import GradientConfig
 from lightning_megatron.distributed.gradients import GradientState
 from lightning_megatron.engine import StepEngine
 from lightning_megatron.models import GPTModel

@@ -11,10 +11,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_megatron.data import MNLIDataModule, SAMPLE_DIR, minilm_path
-from lightning_megatron.data.datasets import IGNORE_LABEL
-from lightning_megatron.finetune import BertForMNLI, BertShape, warmup_linear_decay
-from lightning_megatron.finetune.optim import param_groups
+from lightning_megatron.recipes.data import MNLIDataModule, SAMPLE_DIR, minilm_path
+from lightning_megatron.recipes.data.datasets import IGNORE_LABEL
+from lightning_megatron.recipes.finetune import BertForMNLI, BertShape, warmup_linear_decay
+from lightning_megatron.recipes.finetune.optim import param_groups
 from lightning_megatron.testing import run_on_ranks
 
 TINY = BertShape(num_layers=2, hidden_size=128, num_attention_heads=4)

@@ -6,8 +6,8 @@ import lightning as L
 import pytest
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.data import MNLIDataModule
-from lightning_megatron.finetune import BertForMNLI, BertShape
+from lightning_megatron.recipes.data import MNLIDataModule
+from lightning_megatron.recipes.finetune import BertForMNLI, BertShape
 from lightning_megatron.testing import run_on_ranks
 
 TINY = BertShape(num_layers=2, hidden_size=128, num_attention_heads=4)

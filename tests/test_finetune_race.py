@@ -11,8 +11,8 @@ import random
 import lightning as L
 import pytest
 
-from lightning_megatron.data import RaceDataModule, SAMPLE_DIR
-from lightning_megatron.finetune import BertForRACE, BertShape
+from lightning_megatron.recipes.data import RaceDataModule, SAMPLE_DIR
+from lightning_megatron.recipes.finetune import BertForRACE, BertShape
 from lightning_megatron.testing import run_on_ranks
 
 PLACES = ["market", "park", "harbor", "station"]

@@ -25,7 +25,7 @@ def test_recipe_parses(recipe, monkeypatch):
         main(["fit", "--config", os.path.join(EXAMPLES, recipe), "--print_config"])
     assert done.value.code in (0, None)
     config = yaml.safe_load(printed.getvalue())
-    assert config["model"]["class_path"].startswith("lightning_megatron.finetune.")
+    assert config["model"]["class_path"].startswith("lightning_megatron.recipes.finetune.")
     assert config["trainer"]["strategy"]["class_path"].endswith("MegatronStrategy")
 
 
@@ -65,7 +65,7 @@ def test_tiny_recipe_names_its_model_whatever_is_installed():
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_megatron.data import SAMPLE_DIR, resolve_pretrained
+    from lightning_megatron.recipes.data import SAMPLE_DIR, resolve_pretrained
 
     recipe = os.path.join(EXAMPLES, "mnli_tiny.yaml")
     assert "minilm-if-installed" not in open(recipe).read().split("\nseed_everything:")[1]

@@ -1,4 +1,4 @@
-"""FP8 training through torchao (``lightning_megatron.fp8``): the option's errors, which layers convert,
+"""FP8 training through torchao (``lightning_megatron.quantization.float8``): the option's errors, which layers convert,
 what each tensor-parallel rank's scales are computed over (CPU, torchao's emulation), and on a GPU:
 equality with torchao's ``Float8Linear``, closeness to bfloat16, CUDA-graph capture."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_megatron.fp8 import Float8Config, enable_fp8, fp8_config
+from lightning_megatron.quantization.float8 import Float8Config, enable_fp8, fp8_config
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 EMULATED = dict(compile=False, emulate=True)
@@ -340,7 +340,7 @@ def test_gpu_compiled_float8_layers_capture_in_a_cuda_graph(one_rank, recipe):
 @pytest.mark.gpu
 def test_gpu_float8_gpt_under_partial_cuda_graphs_trains_like_eager(one_rank):
     """The library's per-layer graphs (``cuda_graph="partial"``) around compiled float8 layers."""
-    from lightning_megatron.config import GradientConfig
+    from lightning_megatron.distributed.config import GradientConfig
     from lightning_megatron.distributed.gradients import GradientState
     from lightning_megatron.engine import StepEngine
     from lightning_megatron.tensor_parallel import model_parallel_seed

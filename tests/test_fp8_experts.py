@@ -5,7 +5,7 @@ CUDA-graph capture, and an MoE GPT trained in float8 next to bfloat16."""
 import pytest
 import torch
 
-from lightning_megatron.fp8 import Float8Config, Float8GroupedMatmul, enable_fp8
+from lightning_megatron.quantization.float8 import Float8Config, Float8GroupedMatmul, enable_fp8
 from lightning_megatron.moe import GroupedMLP, MoEConfig
 
 needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),

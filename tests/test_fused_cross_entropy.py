@@ -151,7 +151,7 @@ def test_bad_chunk_sizes_are_named():
 
 
 def _recipes_pass_it_on():
-    from lightning_megatron.pretrain import GPTPretraining, LlamaPretraining
+    from lightning_megatron.recipes.pretrain import GPTPretraining, LlamaPretraining
 
     ParallelState(ParallelLayout(1)).activate()
     sizes = []

@@ -132,7 +132,8 @@ def test_gather_permutation_backward_is_the_inverse_gather():
 def test_kernel_switch_and_cpu_fallback(monkeypatch):
     """CPU tensors always take the torch path (no token lists), whatever the switch says; the switch and
     ``LM_MOE_PERMUTE_KERNELS=0`` turn the kernels off where they would run."""
-    from lightning_megatron.moe import permute_indexed, permute_kernels
+    from lightning_megatron.moe import permute_indexed
+    from lightning_megatron.ops import moe_permute as permute_kernels
 
     with permute_kernels.kernels_enabled(False):
         assert not permute_kernels.enabled()

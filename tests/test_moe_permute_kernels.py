@@ -9,7 +9,7 @@ from lightning_megatron.moe import (
     MoEConfig, MoELayer, apply_capacity, expert_capacity, permute_indexed, permute_per_token, permute_probs,
     topk_routing, unpermute, unpermute_per_token,
 )
-from lightning_megatron.moe import permute_kernels
+from lightning_megatron.ops import moe_permute as permute_kernels
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(permute_kernels.triton is None, reason="the kernels need Triton")]

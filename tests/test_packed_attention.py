@@ -168,9 +168,9 @@ def test_partial_cuda_graphs_refuse_document_ids_by_name():
 def _recipe_batch_per_document(prefix):
     """A packed batch from PretrainingData through LlamaPretraining: its per-token losses, and each
     document's losses computed alone."""
-    from lightning_megatron.corpus import PretrainingData
+    from lightning_megatron.recipes.corpus import PretrainingData
     from lightning_megatron.parallel import ParallelLayout, ParallelState
-    from lightning_megatron.pretrain import LlamaPretraining
+    from lightning_megatron.recipes.pretrain import LlamaPretraining
 
     ParallelState(ParallelLayout(1)).activate()
     data = PretrainingData([prefix], seq_length=SEQ, batch_size=2, packed=True, train_samples=4)
@@ -192,7 +192,7 @@ def _recipe_batch_per_document(prefix):
 
 
 def test_recipe_passes_document_ids_from_packed_data(tmp_path):
-    from lightning_megatron.corpus import write_token_file
+    from lightning_megatron.recipes.corpus import write_token_file
 
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(1, VOCAB, size=int(rng.integers(3, 12)))) for _ in range(12)]

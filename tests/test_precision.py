@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.precision import ParallelGradScaler, ParallelMixedPrecision
+from lightning_megatron.adapter.precision import ParallelGradScaler, ParallelMixedPrecision
 from lightning_megatron.testing import run_on_ranks
 from strategy_utils import fit_tiny_gpt
 
@@ -74,7 +74,7 @@ def test_each_precision_gets_its_parallel_plugin():
         plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else None
         trainer = L.Trainer(strategy=MegatronStrategy(), accelerator="cpu", devices=1,
                             **({"plugins": plugins} if plugins else {"precision": precision}))
-        from lightning_megatron.precision import parallel_precision
+        from lightning_megatron.adapter.precision import parallel_precision
         return parallel_precision(trainer.precision_plugin, None)
 
     mixed = plugin_of("16-mixed")
@@ -89,7 +89,7 @@ def test_a_custom_precision_plugin_is_refused_with_the_fix():
     class MyPrecision(Precision):
         pass
 
-    from lightning_megatron.precision import parallel_precision
+    from lightning_megatron.adapter.precision import parallel_precision
 
     with pytest.raises(ValueError, match=r"plugins=\[MyPrecision\(...\)\].*precision='32-true'"):
         parallel_precision(MyPrecision(), None)

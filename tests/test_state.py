@@ -102,7 +102,7 @@ def test_state_needs_an_initialized_world():
 def _logs_over_the_pipeline():
     import torch.distributed as dist
 
-    from lightning_megatron.step_logging import broadcast_logs_from_last_stage
+    from lightning_megatron.engine.step_logging import broadcast_logs_from_last_stage
 
     state = ParallelState(ParallelLayout(dist.get_world_size(), pp=2)).activate()
     try:

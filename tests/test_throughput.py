@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from lightning_megatron import MegatronStrategy
-from lightning_megatron.callbacks import PREFIX, MegatronThroughputMonitor, batch_counts, peak_flops_per_device
-from lightning_megatron.flops import (
+from lightning_megatron.adapter.callbacks import PREFIX, MegatronThroughputMonitor, batch_counts, peak_flops_per_device
+from lightning_megatron.transformer.flops import (
     forward_flops_per_sequence, linear_training_flops, training_flops_per_sequence, training_flops_per_token,
 )
 from lightning_megatron.moe import MoEConfig
-from lightning_megatron.pretrain import GPTPretraining, PatternTokens
+from lightning_megatron.recipes.pretrain import GPTPretraining, PatternTokens
 from lightning_megatron.testing import run_on_ranks
 from lightning_megatron.transformer import TransformerConfig
 
@@ -52,7 +52,7 @@ HAS_GQA = "num_query_groups" in {f.name for f in dataclasses.fields(TransformerC
 
 def _count_models():
     """(name, counted by torch, formula) for GPT variants and the recipes' own LightningModules."""
-    from lightning_megatron.finetune import BertForMNLI, BertForRACE, BertShape
+    from lightning_megatron.recipes.finetune import BertForMNLI, BertForRACE, BertShape
     from lightning_megatron.models import GPTModel
     from lightning_megatron.parallel import ParallelLayout, ParallelState
 

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..rng_state import capture_rng_state, restore_rng_state
+from .rng_state import capture_rng_state, restore_rng_state
 from ..tensor_parallel.random import RNGStatesTracker
 from .info import load_rank_state
 from .sharded import load_sharded, save_sharded

@@ -12,6 +12,7 @@ Both are Lightning-free; ``MegatronStrategy(cuda_graph=...)`` drives them.
 """
 
 from ..transformer.graphable import GraphableLayer, GraphPiece
+from .config import CudaGraphConfig
 from .backend import BACKENDS, weak_alias
 from .errors import CudaGraphError, CudaGraphShapeError
 from .full import FullCudaGraphWrapper
@@ -20,7 +21,7 @@ from .plan import BufferPlan, GraphStep, max_in_flight, order_steps, static_buff
 from .scopes import SCOPES, normalize_scope
 
 __all__ = [
-    "BACKENDS", "BufferPlan", "CudaGraphError", "CudaGraphShapeError", "FullCudaGraphWrapper", "GraphPiece",
+    "BACKENDS", "BufferPlan", "CudaGraphConfig", "CudaGraphError", "CudaGraphShapeError", "FullCudaGraphWrapper", "GraphPiece",
     "GraphStep", "GraphableLayer", "PartialCudaGraphs", "SCOPES", "layer_chunks", "max_in_flight",
     "normalize_scope", "order_steps", "static_buffer_plan", "weak_alias",
 ]

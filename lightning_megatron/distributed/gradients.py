@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import GradientConfig
+from .config import GradientConfig
 from ..parallel import ParallelState
 from .clip import ClipPlan, clip_grad_norm, clip_plan, global_grad_norm, scale_grads_
 from .data_parallel import DataParallelGrads, default_bucket_size

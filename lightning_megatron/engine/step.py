@@ -29,15 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context_parallel import sequence_keys, split_for_context_parallel
-from ..distributed import split_into_microbatches
-from ..distributed.microbatches import batch_size_of
+from .microbatches import batch_size_of, split_into_microbatches
 from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
-from ..metric_sync import named_metrics, pending_changes, send_metric_states
-from ..step_logging import (Record, StepLogCapture, broadcast_logs_from_last_stage, combine_logs_over, raise_log_error,
+from .metric_sync import named_metrics, pending_changes, send_metric_states
+from .step_logging import (Record, StepLogCapture, broadcast_logs_from_last_stage, combine_logs_over, raise_log_error,
                             to_host)
 
 # micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output

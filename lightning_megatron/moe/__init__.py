@@ -1,10 +1,7 @@
 """Mixture-of-experts building blocks: router, token dispatchers, grouped experts, the MoE layer,
 and the ECHO expert-offloading planner."""
 
-from .aux_loss import (
-    AttachAuxLoss, collect_aux_losses, sequence_load_balancing_loss, set_aux_loss_scale, switch_load_balancing_loss,
-    z_loss,
-)
+from .aux_loss import AttachAuxLoss, sequence_load_balancing_loss, switch_load_balancing_loss, z_loss
 from .dispatcher import (
     AllGatherTokenDispatcher, AllToAllTokenDispatcher, DispatchMetadata, TokenDispatcher, build_dispatcher,
 )
@@ -26,7 +23,7 @@ from .experts import GroupedMLP, SharedExpertMLP, grouped_mm_available
 from .groups import MoEGroups
 from .layer import MoEConfig, MoELayer
 from .permute import permute, permute_indexed, permute_per_token, permute_probs, unpermute, unpermute_per_token
-from .router import TopKRouter, update_expert_biases
+from .router import TopKRouter, collect_aux_losses, set_aux_loss_scale, update_expert_biases
 from .routing import apply_capacity, expert_capacity, group_limited_topk, topk_routing
 from .spare_weights import weights_with_spare_slots
 

@@ -24,20 +24,20 @@ so when every token carries a label it weighs exactly what it weighs with mean l
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 
-def _group_size(group: Optional[dist.ProcessGroup]) -> int:
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _sum_over(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+def sum_over(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """All-reduce (sum) without autograd: token counts carry no gradient."""
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     x = x.detach().clone()
     dist.all_reduce(x, group=group)
@@ -52,8 +52,8 @@ def switch_load_balancing_loss(scores: Tensor, routing_map: Tensor, topk: int, c
     "all" means the tokens of the whole tp-cp group. Equals ``coeff`` for perfectly uniform routing.
     """
     num_tokens, num_experts = scores.shape
-    counts = _sum_over(routing_map.sum(dim=0).float(), group)
-    total = num_tokens * _group_size(group)
+    counts = sum_over(routing_map.sum(dim=0).float(), group)
+    total = num_tokens * group_size(group)
     return (scores.sum(dim=0) * counts).sum() * (coeff * num_experts / (topk * total * total))
 
 
@@ -65,15 +65,15 @@ def sequence_load_balancing_loss(scores: Tensor, routing_map: Tensor, topk: int,
     may be split over ``group`` (tp-cp), whose counts are summed.
     """
     seq_local, batch, num_experts = scores.shape
-    counts = _sum_over(routing_map.sum(dim=0).float(), group)                    # [B, E]
-    seq_len = seq_local * _group_size(group)
+    counts = sum_over(routing_map.sum(dim=0).float(), group)                    # [B, E]
+    seq_len = seq_local * group_size(group)
     balance = counts * (num_experts / (topk * seq_len))
     return (balance * scores.sum(dim=0) / seq_len).sum() * (coeff / batch)
 
 
 def z_loss(logits: Tensor, coeff: float, group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """``coeff · mean(logsumexp(logits)²)`` (ST-MoE); this rank's share of the tp-cp mean."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean() * (coeff / _group_size(group))
+    return torch.logsumexp(logits.float(), dim=-1).square().mean() * (coeff / group_size(group))
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -94,39 +94,3 @@ class AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (aux_loss,) = ctx.saved_tensors
         return grad, torch.full_like(aux_loss, ctx.scale), None
-
-
-def _routers(module: nn.Module):
-    from .router import TopKRouter  # runtime import: router imports this file
-
-    return [m for m in module.modules() if isinstance(m, TopKRouter)]
-
-
-def set_aux_loss_scale(module: Union[nn.Module, Iterable[nn.Module]], scale: float, per_token: bool = False) -> None:
-    """Set the gradient scale of every router's balancing losses in ``module`` (or of the given routers:
-    a training loop that sets it every step finds them once).
-
-    Call it with the factor the main loss is multiplied by (e.g. ``1 / num_microbatches``).
-    ``per_token``: the main loss is a per-token sum whose gradients are later divided by the global
-    token count; each balancing loss is then also multiplied by its micro-batch's token count.
-    """
-    for router in (_routers(module) if isinstance(module, nn.Module) else module):
-        router.aux_loss_scale = float(scale)
-        router.aux_loss_per_token = bool(per_token)
-
-
-def collect_aux_losses(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Tensor]:
-    """Sum each balancing loss of the last forward over every router in ``module``, for logging.
-
-    Values stay on the device (no host sync). Pass the tp-cp ``group`` to get the whole-sequence
-    value (each rank holds a partial sum); without it the values are this rank's parts.
-    """
-    totals: Dict[str, Tensor] = {}
-    for router in _routers(module):
-        for name, value in router.aux_losses.items():
-            totals[name] = totals[name] + value if name in totals else value.clone()
-    if _group_size(group) > 1 and totals:
-        names = sorted(totals)
-        flat = _sum_over(torch.stack([totals[n] for n in names]), group)
-        totals = {n: flat[i] for i, n in enumerate(names)}
-    return totals

@@ -10,7 +10,7 @@ counts never have to reach the host. Three kernels, picked per call:
 - ``"loop"``: one matmul per expert. Splitting needs the counts on the host: free for CPU
   tensors, one device→host copy on a GPU (the fallback the benchmark compares against).
 
-``float8`` (set by ``lightning_megatron.fp8.enable_fp8``) replaces all three: a grouped GEMM whose
+``float8`` (set by ``lightning_megatron.quantization.float8.enable_fp8``) replaces all three: a grouped GEMM whose
 groups must be aligned (float8: multiples of 16), run on the rows laid out by
 ``aligned_groups.align_groups`` -- still no host synchronization.
 

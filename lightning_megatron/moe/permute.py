@@ -39,7 +39,7 @@ def _kernels(x: Tensor, routing_map: Optional[Tensor] = None, num_out: int = 1):
     """The Triton kernels' module when it takes these tensors (CUDA, Triton, switched on), else None."""
     if not x.is_cuda or x.shape[0] == 0 or num_out == 0:
         return None
-    from . import permute_kernels
+    from ..ops import moe_permute as permute_kernels
     if not permute_kernels.enabled():
         return None
     if routing_map is not None and not 0 < routing_map.shape[1] <= permute_kernels.MAX_COLUMNS:
@@ -77,7 +77,7 @@ def unpermute(rows: Tensor, slots: Tensor, num_tokens: int, probs: Optional[Tens
     if token_rows is not None and _kernels(rows) is not None:
         if token_rows.shape[0] != num_tokens:
             raise ValueError(f"token_rows lists {token_rows.shape[0]} tokens, num_tokens={num_tokens}.")
-        from .permute_kernels import unpermute as unpermute_kernel
+        from ..ops.moe_permute import unpermute as unpermute_kernel
         return unpermute_kernel(rows, token_rows, slots, probs, out_dtype)
     if probs is not None:
         rows = rows.to(torch.promote_types(rows.dtype, probs.dtype)) * probs.unsqueeze(-1)
@@ -177,7 +177,7 @@ def unpermute_per_token(rows: Tensor, token_order: Tensor, num_tokens: int, prob
     """
     k = rows.shape[0] // num_tokens
     if _kernels(rows) is not None:
-        from .permute_kernels import unpermute as unpermute_kernel
+        from ..ops.moe_permute import unpermute as unpermute_kernel
         return unpermute_kernel(rows, token_order.view(num_tokens, k), None, probs, out_dtype)
     inverse = inverse_permutation(token_order)
     grouped = gather_permutation(rows, token_order, inverse).view((num_tokens, k) + tuple(rows.shape[1:]))

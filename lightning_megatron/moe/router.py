@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..tensor_parallel.layers import InitMethod, init_method_normal, init_sharded_
-from .aux_loss import AttachAuxLoss, sequence_load_balancing_loss, switch_load_balancing_loss, z_loss
+from .aux_loss import (AttachAuxLoss, group_size, sequence_load_balancing_loss, sum_over, switch_load_balancing_loss,
+                       z_loss)
 from .routing import (
     DROP_POLICIES, SCORE_FUNCTIONS, apply_capacity, check_group_limits, expert_capacity, scores_for_aux_loss,
     topk_routing,
@@ -191,3 +192,37 @@ def update_expert_biases(module: Union[nn.Module, Iterable[TopKRouter]],
     for router, step in zip(routers, direction):   # the rate as a kernel argument: no host-to-device copy
         router.expert_bias.add_(step, alpha=router.expert_bias_update_rate)
         router.local_tokens_per_expert.zero_()
+
+
+def _routers(module: nn.Module) -> List[TopKRouter]:
+    return [m for m in module.modules() if isinstance(m, TopKRouter)]
+
+
+def set_aux_loss_scale(module: Union[nn.Module, Iterable[nn.Module]], scale: float, per_token: bool = False) -> None:
+    """Set the gradient scale of every router's balancing losses in ``module`` (or of the given routers:
+    a training loop that sets it every step finds them once).
+
+    Call it with the factor the main loss is multiplied by (e.g. ``1 / num_microbatches``).
+    ``per_token``: the main loss is a per-token sum whose gradients are later divided by the global
+    token count; each balancing loss is then also multiplied by its micro-batch's token count.
+    """
+    for router in (_routers(module) if isinstance(module, nn.Module) else module):
+        router.aux_loss_scale = float(scale)
+        router.aux_loss_per_token = bool(per_token)
+
+
+def collect_aux_losses(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Tensor]:
+    """Sum each balancing loss of the last forward over every router in ``module``, for logging.
+
+    Values stay on the device (no host sync). Pass the tp-cp ``group`` to get the whole-sequence
+    value (each rank holds a partial sum); without it the values are this rank's parts.
+    """
+    totals: Dict[str, Tensor] = {}
+    for router in _routers(module):
+        for name, value in router.aux_losses.items():
+            totals[name] = totals[name] + value if name in totals else value.clone()
+    if group_size(group) > 1 and totals:
+        names = sorted(totals)
+        flat = sum_over(torch.stack([totals[n] for n in names]), group)
+        totals = {n: flat[i] for i, n in enumerate(names)}
+    return totals

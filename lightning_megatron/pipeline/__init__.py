@@ -1,24 +1,63 @@
 """Pipeline parallelism: pure schedules, layer split and communication plan; p2p and executors."""
 
-from .chunks import VirtualChunks
-from .comm_plan import CommRound, comm_plan
-from .executor import (
-    ForwardStepFn, PipelineOutput, StepContext, deallocate_output_tensor, forward_backward,
-)
-from .p2p import PipelineP2P, prepare_group_for_batched_p2p
-from .schedules import (
-    BACKWARD, FORWARD, MicrobatchCounts, ScheduleStep, convert_schedule_table_to_order,
-    convert_schedule_table_to_steps, get_pp_rank_microbatches,
-    get_schedule_table, resolve_group_size, schedule_order, schedule_steps,
-)
-from .shared_embeddings import (
-    allreduce_shared_embedding_grads, check_tied_optimizer_settings, shared_embedding_parameters,
-    sync_shared_embedding_weights,
-)
-from .stack import PipelineStack
-from ..parallel.stages import (
-    chunk_layer_range, layer_offset, layers_per_chunk, stage_layer_ranges, virtual_stage,
-)
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_face
+
+__getattr__, __dir__ = lazy_face(__name__, {
+    'VirtualChunks': '.chunks',
+    'CommRound': '.comm_plan',
+    'comm_plan': '.comm_plan',
+    'ForwardStepFn': '.executor',
+    'PipelineOutput': '.executor',
+    'StepContext': '.executor',
+    'deallocate_output_tensor': '.executor',
+    'forward_backward': '.executor',
+    'PipelineP2P': '.p2p',
+    'prepare_group_for_batched_p2p': '.p2p',
+    'BACKWARD': '.schedules',
+    'FORWARD': '.schedules',
+    'MicrobatchCounts': '.schedules',
+    'ScheduleStep': '.schedules',
+    'convert_schedule_table_to_order': '.schedules',
+    'convert_schedule_table_to_steps': '.schedules',
+    'get_pp_rank_microbatches': '.schedules',
+    'get_schedule_table': '.schedules',
+    'resolve_group_size': '.schedules',
+    'schedule_order': '.schedules',
+    'schedule_steps': '.schedules',
+    'allreduce_shared_embedding_grads': '.shared_embeddings',
+    'check_tied_optimizer_settings': '.shared_embeddings',
+    'shared_embedding_parameters': '.shared_embeddings',
+    'sync_shared_embedding_weights': '.shared_embeddings',
+    'PipelineStack': '.stack',
+    'chunk_layer_range': '..parallel.stages',
+    'layer_offset': '..parallel.stages',
+    'layers_per_chunk': '..parallel.stages',
+    'stage_layer_ranges': '..parallel.stages',
+    'virtual_stage': '..parallel.stages',
+})
+
+if TYPE_CHECKING:
+    from .chunks import VirtualChunks
+    from .comm_plan import CommRound, comm_plan
+    from .executor import (
+        ForwardStepFn, PipelineOutput, StepContext, deallocate_output_tensor, forward_backward,
+    )
+    from .p2p import PipelineP2P, prepare_group_for_batched_p2p
+    from .schedules import (
+        BACKWARD, FORWARD, MicrobatchCounts, ScheduleStep, convert_schedule_table_to_order,
+        convert_schedule_table_to_steps, get_pp_rank_microbatches,
+        get_schedule_table, resolve_group_size, schedule_order, schedule_steps,
+    )
+    from .shared_embeddings import (
+        allreduce_shared_embedding_grads, check_tied_optimizer_settings, shared_embedding_parameters,
+        sync_shared_embedding_weights,
+    )
+    from .stack import PipelineStack
+    from ..parallel.stages import (
+        chunk_layer_range, layer_offset, layers_per_chunk, stage_layer_ranges, virtual_stage,
+    )
 
 __all__ = [
     "BACKWARD", "FORWARD", "MicrobatchCounts", "ScheduleStep", "chunk_layer_range",

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..kernel_switch import KernelSwitch
+from ..ops.switch import KernelSwitch
 
 from .mappings import (
     all_reduce, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, resolve_group,

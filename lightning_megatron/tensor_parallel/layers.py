@@ -7,7 +7,7 @@ clipping and checkpoints can tell shards from replicas; replicated parameters wh
 are partial under sequence parallelism carry ``sequence_parallel=True``.
 
 The linear layers' local matmul (``local_linear``) is ``F.linear``, or the float8 matmul that
-``lightning_megatron.fp8.enable_fp8`` puts in the layer's ``float8`` attribute (torchao's float8
+``lightning_megatron.quantization.float8.enable_fp8`` puts in the layer's ``float8`` attribute (torchao's float8
 training): the tensor-parallel communication around it is the same either way.
 """
 
@@ -86,7 +86,7 @@ class _TensorParallelLinear(_TensorParallelModule):
     """What the column- and row-parallel linears share: this rank's matmul, in high precision or float8."""
 
     #: this rank's ``(x, weight, bias) -> x @ weight.T + bias`` in float8, put here by
-    #: ``lightning_megatron.fp8.enable_fp8``; ``None``: ``F.linear``
+    #: ``lightning_megatron.quantization.float8.enable_fp8``; ``None``: ``F.linear``
     float8: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
 
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor,

@@ -39,7 +39,6 @@ from typing import ContextManager, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..context_parallel import all_gather_context_parallel, local_chunks
 from ..context_parallel.split import check_local_sequence_length
@@ -120,6 +119,8 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     for slot, c in enumerate(local_chunks(cp_size, cp_rank)):
         end = (c + 1) * chunk                  # queries of chunk c see keys [0, end), lower-right causal
         if keep is None and q_documents is None:
+            from torch.nn.attention.bias import causal_lower_right   # imports torch._dynamo: 1.6 s, on first use
+
             mask = causal_lower_right(chunk, end)
         else:
             mask = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(end - chunk)

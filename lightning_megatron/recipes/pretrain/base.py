@@ -9,9 +9,9 @@ from typing import Dict, Optional, Union
 import lightning as L
 import torch
 
-from ..flops import training_flops_per_sequence
-from ..pipeline import VirtualChunks
-from ..transformer import TransformerConfig
+from ...transformer.flops import training_flops_per_sequence
+from ...pipeline import VirtualChunks
+from ...transformer import TransformerConfig
 
 
 class PretrainingModule(L.LightningModule, ABC):
@@ -50,7 +50,7 @@ class PretrainingModule(L.LightningModule, ABC):
 
     def training_flops(self, batch: dict) -> int:
         """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once), for
-        ``lightning_megatron.callbacks.MegatronThroughputMonitor``'s TFLOP/s and MFU."""
+        ``lightning_megatron.adapter.callbacks.MegatronThroughputMonitor``'s TFLOP/s and MFU."""
         b, s = batch["input_ids"].shape
         per_sequence = self._flops_per_sequence.get(s)
         if per_sequence is None:

@@ -1,6 +1,6 @@
 """Tokenize text files into one token file, in parallel over files.
 
-    python -m lightning_megatron.corpus.preprocess --input a.txt b.jsonl --tokenizer DIR \
+    python -m lightning_megatron.recipes.corpus.preprocess --input a.txt b.jsonl --tokenizer DIR \
         --output-prefix data/corpus [--workers 8] [--text-key text]
 
 ``.txt``: documents are separated by blank lines; ``.jsonl``: one document per line, its text under
@@ -140,7 +140,7 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, worker
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_megatron.corpus.preprocess",
+    parser = argparse.ArgumentParser(prog="python -m lightning_megatron.recipes.corpus.preprocess",
                                      description="Tokenize text files into a memory-mapped token file.")
     parser.add_argument("--input", nargs="+", required=True, help=".txt (blank-line separated) or .jsonl files")
     parser.add_argument("--tokenizer", required=True, help="local tokenizer folder (tokenizer.json or HF/SentencePiece)")

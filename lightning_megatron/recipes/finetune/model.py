@@ -11,10 +11,10 @@ from typing import Any, Dict, Optional
 
 from torch import nn
 
-from ..models.bert import BertForMultipleChoice, BertForSequenceClassification
-from ..models.hf_bert import bert_from_hf
-from ..parallel import get_parallel_state, has_parallel_state
-from ..transformer import TransformerConfig
+from ...models.bert import BertForMultipleChoice, BertForSequenceClassification
+from ...models.hf_bert import bert_from_hf
+from ...parallel import get_parallel_state, has_parallel_state
+from ...transformer import TransformerConfig
 
 TASKS = {"BertForSequenceClassification": BertForSequenceClassification,
          "BertForMultipleChoice": BertForMultipleChoice}

@@ -8,7 +8,7 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-from .tensor_parallel.random import RNGStatesTracker
+from ..tensor_parallel.random import RNGStatesTracker
 
 
 def capture_rng_state(tracker: RNGStatesTracker) -> Dict[str, Any]:

@@ -83,8 +83,8 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .moe.experts import GroupedMLP
-from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..moe.experts import GroupedMLP
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)           # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
@@ -175,7 +175,7 @@ def fp8_config(fp8: Union[None, str, Float8Config]) -> Optional[Float8Config]:
         return fp8
     if isinstance(fp8, str):
         return Float8Config(fp8)
-    raise ValueError(f"fp8={fp8!r} must be None, one of {list(RECIPES)}, or a lightning_megatron.fp8.Float8Config.")
+    raise ValueError(f"fp8={fp8!r} must be None, one of {list(RECIPES)}, or a lightning_megatron.quantization.float8.Float8Config.")
 
 
 def _version_tuple(version: str) -> Tuple[int, ...]:
@@ -340,7 +340,7 @@ def _auto_keeps(config: Float8Config, name: str, out_features: int, in_features:
 
 
 def _check_compile_layers_supported() -> None:
-    from .parallel import get_parallel_state, has_parallel_state
+    from ..parallel import get_parallel_state, has_parallel_state
 
     if not has_parallel_state():
         return
@@ -354,7 +354,7 @@ def _check_compile_layers_supported() -> None:
 
 def _compile_layers(model: nn.Module, config: Float8Config, converted: set) -> None:
     """``compile_layers``: compile, in place, every ``TransformerLayer`` that holds a converted layer."""
-    from .transformer.layer import TransformerLayer
+    from ..transformer.layer import TransformerLayer
 
     _patch_inductor_for_float8(config.torchao_config())
     compiled = 0

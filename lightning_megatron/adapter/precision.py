@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
-from .distributed.gradients import GradientState
+from ..distributed.gradients import GradientState
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 

@@ -7,8 +7,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..models.llama import LlamaModel, llama_config
-from ..transformer import TransformerConfig
+from ...models.llama import LlamaModel, llama_config
+from ...transformer import TransformerConfig
 from .base import PretrainingModule, masked_mean
 
 IGNORE_INDEX = -100

@@ -31,27 +31,30 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
-from .checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place, remove_checkpoint_path,
+from ..checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place, remove_checkpoint_path,
                                       save_trainer_checkpoint)
-from .distributed import FullOptimizerView
-from .distributed.gradients import GradientState, checkpoint_views
-from .distributed.microbatches import ragged_last_batch
-from .engine import StepEngine
-from .engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
+from ..distributed import FullOptimizerView
+from ..distributed.gradients import GradientState, checkpoint_views
+from ..engine.microbatches import ragged_last_batch
+from ..engine import StepEngine
+from ..engine.replicas import (in_dataset_order, make_replicas_identical, seed_identically,
                               sync_metrics_over_data_parallel)
-from .config import CudaGraphConfig, GradientConfig, ParallelConfig, check_per_token_accumulation
-from .transformer.config import model_defaults
-from .parallel import ParallelState
-from .tensor_parallel.random import get_rng_tracker
-from .fp8 import Float8Config, enable_fp8, fp8_config
+from ..cuda_graphs.config import CudaGraphConfig
+from ..distributed.config import GradientConfig
+from ..parallel.config import ParallelConfig
+from ..transformer.config import model_defaults
+from ..parallel import ParallelState
+from ..tensor_parallel.random import get_rng_tracker
+from ..quantization.float8 import Float8Config, enable_fp8, fp8_config
 from .precision import parallel_precision
-from .parallel.topology import DEFAULT_ORDER
-from .pipeline.shared_embeddings import check_tied_optimizer_settings
-from .moe import update_expert_biases
+from ..parallel.topology import DEFAULT_ORDER
+from ..pipeline.shared_embeddings import check_tied_optimizer_settings
+from ..moe import update_expert_biases
 from .resumable_loader import ResumableLoader
 from .sampler_check import sampler_shards_wrongly, wrong_sampler_message
-from .step_hooks import TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, check_model_kept
-from .step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay, to_host
+from .last_stage import (TrainingLastStage, batch_output, call_hooks, check_automatic_optimization, check_model_kept,
+                         check_per_token_accumulation)
+from ..engine.step_logging import DATA_PARALLEL_GROUP, broadcast_from_last_stage, replay, to_host
 
 class MegatronStrategy(ParallelStrategy):
     """Tensor (+sequence), pipeline (1F1B / interleaved), data, context and expert parallelism.
@@ -80,7 +83,7 @@ class MegatronStrategy(ParallelStrategy):
             then current only after ``strategy.finish_param_sync()`` (checkpoints, evaluation and
             the end of fit call it; a callback reading weights must call it too).
         fp8: train the linear layers in float8 through torchao: ``"tensorwise"``, ``"rowwise"`` or a
-            ``lightning_megatron.fp8.Float8Config`` (``None``: off); needs ``pip install
+            ``lightning_megatron.quantization.float8.Float8Config`` (``None``: off); needs ``pip install
             'lightning-megatron[fp8]'`` and a GPU of compute capability >= 8.9.
         calculate_per_token_loss: ``training_step`` returns ``{"loss": <sum of token losses>, "num_tokens":
             <their count>}`` and the gradients are divided by the global batch's token count: one process's

@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..data.datasets import IGNORE_LABEL
 from ..data.sources import resolve_pretrained
-from ..flops import linear_training_flops, training_flops_per_sequence
+from ...transformer.flops import linear_training_flops, training_flops_per_sequence
 from .model import BertShape, build_task_model
 from .optim import adamw_with_warmup
 
@@ -61,7 +61,7 @@ class BertFinetuneModule(L.LightningModule):
 
     def training_flops(self, batch: Dict[str, torch.Tensor]) -> Optional[int]:
         """Model FLOPs of one forward and backward pass over ``batch`` (the whole model, counted once, on the
-        padded sequences as computed), for ``lightning_megatron.callbacks.MegatronThroughputMonitor``."""
+        padded sequences as computed), for ``lightning_megatron.adapter.callbacks.MegatronThroughputMonitor``."""
         if self.model is None:
             return None
         config = self.model.bert.config

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .parallel import ParallelState
+from ..parallel import ParallelState
 
 Record = Tuple[Any, tuple, dict]
 

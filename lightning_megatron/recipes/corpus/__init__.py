@@ -1,7 +1,7 @@
 """Pre-training text: a tokenized, memory-mapped corpus, sequences cut from it, weighted blends.
 
-``python -m lightning_megatron.corpus.sample OUT`` writes a small text corpus and a BPE tokenizer;
-``python -m lightning_megatron.corpus.preprocess`` tokenizes text files into a token file;
+``python -m lightning_megatron.recipes.corpus.sample OUT`` writes a small text corpus and a BPE tokenizer;
+``python -m lightning_megatron.recipes.corpus.preprocess`` tokenizes text files into a token file;
 :class:`PretrainingData` serves fixed-length or packed sequences from one or several of them.
 """
 

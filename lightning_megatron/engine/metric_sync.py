@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .parallel import ParallelState
+from ..parallel import ParallelState
 from .step_logging import to_host
 
 # per metric, what the other stages already hold: (update count, {tensor state: the tensor sent},

@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..kernel_switch import KernelSwitch
+from .switch import KernelSwitch
 
 try:
     import triton

@@ -13,9 +13,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..models import GPTModel
-from ..moe import MoEConfig
-from ..transformer import TransformerConfig
+from ...models import GPTModel
+from ...moe import MoEConfig
+from ...transformer import TransformerConfig
 from .base import PretrainingModule
 
 

@@ -112,3 +112,13 @@ def _concat(outputs: List[Any]) -> Any:
     if isinstance(first, (str, bool, int, float)) and all(o == first for o in outputs):
         return first   # the same plain value from every micro-batch (as equal tensor scalars average to it)
     return outputs
+
+
+def check_per_token_accumulation(calculate_per_token_loss: bool, accumulate_grad_batches: int) -> None:
+    """Per-token losses divide by one step's token count, which accumulation over batches would split."""
+    if calculate_per_token_loss and accumulate_grad_batches > 1:
+        raise ValueError(
+            "calculate_per_token_loss=True divides the gradients by one step's global token count, which "
+            f"accumulate_grad_batches={accumulate_grad_batches} spreads over several batches: set "
+            "accumulate_grad_batches=1 and a larger batch with micro_batch_size (its micro-batches accumulate "
+            "exactly).")

@@ -1,6 +1,6 @@
 """A small English-like text corpus and a byte-level BPE tokenizer trained on it, written locally.
 
-    python -m lightning_megatron.corpus.sample OUT [--documents 2000] [--vocab-size 512]
+    python -m lightning_megatron.recipes.corpus.sample OUT [--documents 2000] [--vocab-size 512]
 
 writes ``OUT/train.txt`` and ``OUT/valid.txt`` (documents separated by blank lines) and
 ``OUT/tokenizer/tokenizer.json``. The text is generated from a small grammar with a fixed seed (no
@@ -56,7 +56,7 @@ def write_sample_corpus(out: Path, documents: int = 2000, vocab_size: int = 512,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_megatron.corpus.sample", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_megatron.recipes.corpus.sample", description=__doc__.split("\n")[0])
     parser.add_argument("out", help="folder to write train.txt, valid.txt and tokenizer/ into")
     parser.add_argument("--documents", type=int, default=2000)
     parser.add_argument("--vocab-size", type=int, default=512)

@@ -95,7 +95,7 @@ class MegatronThroughputMonitor(Callback):
       ``accumulate_grad_batches`` included); tokens are the ``input_key`` tensor's elements, padding included;
     - ``throughput/step_time_sec``: seconds per optimizer step;
     - ``throughput/tflops_per_device``: the model's training FLOPs (forward + backward, counted once for the
-      whole model, :mod:`lightning_megatron.flops`) per second, divided by the world size;
+      whole model, :mod:`lightning_megatron.transformer.flops`) per second, divided by the world size;
     - ``throughput/mfu``: that over the device's peak FLOP/s;
     - ``throughput/peak_memory_gib``: ``torch.cuda.max_memory_allocated`` (since the process started or the last
       ``torch.cuda.reset_peak_memory_stats``), the largest over the ranks (CUDA only).

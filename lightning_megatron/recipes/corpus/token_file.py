@@ -56,7 +56,7 @@ class TokenFile:
         if missing:
             raise FileNotFoundError(
                 f"no token file at prefix {str(prefix)!r} (missing {', '.join(missing)}); make one with "
-                f"`python -m lightning_megatron.corpus.preprocess --input TEXT_FILES --tokenizer DIR "
+                f"`python -m lightning_megatron.recipes.corpus.preprocess --input TEXT_FILES --tokenizer DIR "
                 f"--output-prefix {prefix}`.")
         self.prefix = str(prefix)
         self.meta: Dict[str, Any] = json.loads(paths["meta"].read_text())

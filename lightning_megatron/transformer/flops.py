@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .transformer import TransformerConfig
+from .config import TransformerConfig
 
 __all__ = ["forward_flops_per_sequence", "linear_training_flops", "training_flops_per_sequence",
            "training_flops_per_token"]
