@@ -102,21 +102,23 @@ def test_state_needs_an_initialized_world():
 def _logs_over_the_pipeline():
     import torch.distributed as dist
 
-    from lightning_megatron.engine.step_logging import broadcast_logs_from_last_stage
+    from lightning_megatron.engine.logs import broadcast_from_last_stage
 
     state = ParallelState(ParallelLayout(dist.get_world_size(), pp=2)).activate()
     try:
-        logs, error = {}, None
+        logs, error, host = {}, None, None
         if state.is_pipeline_last_stage(ignore_virtual=True):
-            logs = {"loss": (torch.tensor(2.5), ("a",), {"sync_dist": True}), "acc": (torch.tensor(0.25), (), {})}
+            logs = {"loss": (torch.tensor(2.5), "mean"), "acc": (torch.tensor(0.25), "max")}
             error = ("TypeError", "what the last stage could not log")
-        got, error, _ = broadcast_logs_from_last_stage(logs, state, torch.device("cpu"), error)
-        return {name: (float(value), args, kwargs) for name, (value, args, kwargs) in got.items()}, error
+            host = {"meta": {"loss": (("a",), {"sync_dist": True})}}
+        got, error, host = broadcast_from_last_stage(logs, state, torch.device("cpu"), error, host)
+        return {name: (float(value), op) for name, (value, op) in got.items()}, error, host
     finally:
         state.destroy()
 
 
 def test_logs_reach_every_stage_names_and_arguments_by_host_values_by_tensor():
     out = run_on_ranks(_logs_over_the_pipeline, 4, timeout=60)
-    expected = {"loss": (2.5, ("a",), {"sync_dist": True}), "acc": (0.25, (), {})}
-    assert out == [(expected, ("TypeError", "what the last stage could not log"))] * 4
+    expected = {"loss": (2.5, "mean"), "acc": (0.25, "max")}
+    assert out == [(expected, ("TypeError", "what the last stage could not log"),
+                    {"meta": {"loss": (("a",), {"sync_dist": True})}})] * 4

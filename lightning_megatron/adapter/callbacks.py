@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 __all__ = ["PEAK_FLOPS", "PREFIX", "MegatronThroughputMonitor", "batch_counts", "peak_flops_per_device"]
 
@@ -141,6 +142,7 @@ class MegatronThroughputMonitor(Callback):
         self._counts_tokens, self._counts_flops = True, True
         self._val_start: Optional[float] = None
 
+    @override
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
         self._window = self.window or (trainer.log_every_n_steps or None)
         self._peak = self.peak_flops or peak_flops_per_device(trainer.strategy.root_device, str(trainer.precision))
@@ -149,6 +151,7 @@ class MegatronThroughputMonitor(Callback):
                            f"{torch.cuda.get_device_name(trainer.strategy.root_device)!r} at precision "
                            f"{trainer.precision}; pass peak_flops= to log MFU.")
 
+    @override
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         self._reset(None)
         self._last_step = trainer.global_step
@@ -159,6 +162,7 @@ class MegatronThroughputMonitor(Callback):
             rank_zero_info(f"MegatronThroughputMonitor: {type(pl_module).__name__} has no training_flops(batch) "
                            "method; logging samples/s and tokens/s without TFLOP/s or MFU.")
 
+    @override
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._window is None:
@@ -184,10 +188,12 @@ class MegatronThroughputMonitor(Callback):
         if trainer.global_step % self._window == 0:
             self._log(trainer, pl_module)
 
+    @override
     def on_validation_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         if self._t0 is not None and not trainer.sanity_checking:
             self._val_start = time.perf_counter()
 
+    @override
     def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         if self._val_start is not None:
             self._paused += time.perf_counter() - self._val_start

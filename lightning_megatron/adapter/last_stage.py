@@ -1,16 +1,24 @@
 """The user's ``*_step`` as the step engine calls it on one micro-batch, with Lightning's hooks around it.
 
 The engine knows nothing of Lightning: on the last pipeline stage it calls ``last_stage(microbatch)``
-and backpropagates what that returns. Here that call becomes the user's ``training_step`` plus what
+and backpropagates the :class:`StageOutput` that returns. Here that call becomes the user's
+``training_step`` (or evaluation hook) with ``self.log`` captured into the output's ``logs``, plus what
 Lightning does around a backward: the loss divided by ``accumulate_grad_batches``,
-``on_before_backward`` (callbacks, then the module), then the AMP scaler's scaling.
+``on_before_backward`` (callbacks, then the module), then the AMP scaler's scaling. After the step,
+:func:`finish_step` replays the logs on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+
+from ..engine.logs import broadcast_object_from_last_stage, raise_log_error
+from ..engine.step import StageOutput, StepResult
+from ..parallel import ParallelState
+from .log_capture import LogCapture, replay
+from .metric_sync import pending_changes, send_metric_states
 
 
 def call_hooks(trainer: Any, name: str, *args: Any) -> None:
@@ -47,21 +55,79 @@ def check_model_kept(module: Any, before: set) -> None:
             "(e.g. `if hasattr(self, \"model\"): return` at the top of configure_model).")
 
 
-class TrainingLastStage:
-    """What the last stage runs per micro-batch: ``(loss to backpropagate, loss to report[, token count])``;
-    the other entries of a dict ``training_step`` returns are kept per micro-batch and joined by ``extras()``
-    (what Lightning hands ``on_train_batch_end`` as ``outputs`` besides ``"loss"``). One object per step.
-    ``step_args``: ``training_step``'s arguments after the batch (the batch index)."""
+class Metrics:
+    """The module's torchmetrics objects by attribute path (found once: the model is built), kept equal over
+    the pipeline's stages (``metric_sync``)."""
 
-    def __init__(self, module: Any, step_args: tuple, step_kwargs: dict, scaler: Optional[Any],
-                 per_token: bool) -> None:
-        self.module, self.step_args, self.step_kwargs = module, step_args, step_kwargs
-        self.scaler, self.per_token = scaler, per_token
-        self.accumulate = module.trainer.accumulate_grad_batches
+    def __init__(self, module: Any, state: ParallelState) -> None:
+        from .metric_sync import named_metrics
+
+        self.state = state
+        self.by_path = dict(named_metrics(module)) if state.pp_size > 1 else {}
+        self.paths = {id(metric): path for path, metric in self.by_path.items()}
+
+    def capture(self, module: Any, passthrough: bool) -> LogCapture:
+        """A capture of one step's ``self.log`` calls (torchmetrics objects logged for real unless
+        ``passthrough`` is off: inside a CUDA graph they log their batch value)."""
+        return LogCapture(module, passthrough_metrics=passthrough,
+                          metric_paths=self.paths if self.state.pp_size > 1 else None)
+
+    def sync(self, metric_logs: Dict[str, Tuple[str, tuple, dict]]) -> Dict[str, Tuple[Any, tuple, dict]]:
+        """After a step under pipeline parallelism: the last stage's metric states on every stage (host to host
+        for which changed; a collective over pp); this stage's copies of the metrics the last stage logged."""
+        if not self.by_path:
+            return {}
+        last = self.state.is_pipeline_last_stage(ignore_virtual=True)
+        changes = broadcast_object_from_last_stage(pending_changes(list(self.by_path.items())) if last else None,
+                                                   self.state)
+        send_metric_states(self.by_path, changes, self.state)
+        if last:   # the last stage logged its metrics during the step
+            return {}
+        return {name: (self.by_path[path], args, kwargs) for name, (path, args, kwargs) in metric_logs.items()}
+
+
+class LastStageCall:
+    """The user's hook on one micro-batch of the last stage, its ``self.log`` calls captured (one object per
+    step). ``extras()`` is what the other stages receive after the step."""
+
+    def __init__(self, module: Any, capture: LogCapture) -> None:
+        self.module, self.capture = module, capture
         self.outputs: List[dict] = []
 
-    def __call__(self, microbatch: Any) -> Tuple[Any, ...]:
-        out = self.module.training_step(microbatch, *self.step_args, **self.step_kwargs)
+    def extras(self) -> Dict[str, Any]:
+        outputs, self.outputs = self.outputs, []
+        return {"logging": self.capture.host_state(), "outputs": batch_output(outputs) if outputs else None}
+
+
+class EvalLastStage(LastStageCall):
+    """``validation_step``/``test_step``/``predict_step`` on one micro-batch."""
+
+    def __init__(self, module: Any, capture: LogCapture, hook: str, step_args: tuple, step_kwargs: dict) -> None:
+        super().__init__(module, capture)
+        self.hook, self.step_args, self.step_kwargs = hook, step_args, step_kwargs
+
+    def __call__(self, microbatch: Any) -> StageOutput:
+        with self.capture.microbatch() as logs:
+            out = getattr(self.module, self.hook)(microbatch, *self.step_args, **self.step_kwargs)
+        return StageOutput(output=out, logs=logs)
+
+
+class TrainingLastStage(LastStageCall):
+    """What the last stage runs per micro-batch: the loss to backpropagate, the loss to report[, the token
+    count] and the logs; the other entries of a dict ``training_step`` returns are kept per micro-batch and
+    joined in ``extras()["outputs"]`` (what Lightning hands ``on_train_batch_end`` as ``outputs`` besides
+    ``"loss"``). ``step_args``: ``training_step``'s arguments after the batch (the batch index)."""
+
+    def __init__(self, module: Any, capture: LogCapture, step_args: tuple, step_kwargs: dict, scaler: Optional[Any],
+                 per_token: bool) -> None:
+        super().__init__(module, capture)
+        self.step_args, self.step_kwargs = step_args, step_kwargs
+        self.scaler, self.per_token = scaler, per_token
+        self.accumulate = module.trainer.accumulate_grad_batches
+
+    def __call__(self, microbatch: Any) -> StageOutput:
+        with self.capture.microbatch() as logs:
+            out = self.module.training_step(microbatch, *self.step_args, **self.step_kwargs)
         loss, num_tokens = extract_loss(out, self.per_token)
         # "num_tokens" of per-token losses comes back as the global count (StepResult): no host transfer for it
         extra = {k: v for k, v in out.items() if k != "loss" and not (self.per_token and k == "num_tokens")} \
@@ -71,14 +137,18 @@ class TrainingLastStage:
         backward = loss / self.accumulate
         call_hooks(self.module.trainer, "on_before_backward", backward)
         scaled = self.scaler.scale(backward) if self.scaler is not None else backward
-        return (scaled, loss.detach(), num_tokens) if self.per_token else (scaled, loss.detach())
+        return StageOutput(loss=scaled, report=loss.detach(), num_tokens=num_tokens, logs=logs)
 
-    def extras(self) -> Optional[dict]:
-        """The step's other outputs, joined over micro-batches like evaluation outputs (tensors with a batch
-        dimension concatenated, scalars averaged); ``None`` when ``training_step`` returned the loss alone.
-        Taken once per run of the micro-batches (a graph backend that re-runs them reuses this object)."""
-        outputs, self.outputs = self.outputs, []
-        return batch_output(outputs) if outputs else None
+
+def finish_step(module: Any, result: StepResult, metrics: Metrics, device: torch.device) -> Any:
+    """On every rank after a step: raise what the step's logging could not record, bring the metrics of the
+    other stages up to date, log the step's combined values for real; returns the joined other outputs
+    (training) of the last stage."""
+    host = result.extras or {"logging": {"meta": {}, "metric_logs": {}, "error": None}, "outputs": None}
+    raise_log_error(host["logging"]["error"])
+    copies = metrics.sync(host["logging"]["metric_logs"])
+    replay(module, result.logs, host["logging"]["meta"], copies, device)
+    return host["outputs"]
 
 
 def extract_loss(out: Any, per_token: bool) -> Tuple[torch.Tensor, Optional[Any]]:

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from typing_extensions import override
 
 from ..distributed.gradients import GradientState
 
@@ -24,6 +25,7 @@ class ParallelGradScaler(torch.amp.GradScaler):
     """A ``GradScaler`` whose overflow check is agreed by every rank: a step is skipped everywhere
     when any shard found an inf/NaN (as ``ShardedGradScaler`` does for FSDP)."""
 
+    @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.is_enabled() and self._scale is None:
             # pipeline stages before the last never scale a loss (they backpropagate scaled gradients
@@ -41,12 +43,14 @@ class _WholeModelClipping:
 
     gradients: Optional[GradientState] = None
 
+    @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         if self.gradients is None:
             raise RuntimeError("gradient clipping outside fit: the megatron strategy has no gradients to clip.")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.gradients.clip_by_norm(params, clip_val)
 
+    @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed

@@ -1,4 +1,5 @@
-"""What every rank must agree on before the first step: seeds, replicated parameters, metric groups."""
+"""What every rank must agree on before the first step (seeds, replicated parameters), and the dataset order of
+data-parallel predictions."""
 
 from __future__ import annotations
 
@@ -35,22 +36,6 @@ def make_replicas_identical(model: nn.Module, state: ParallelState) -> None:
             dist.broadcast(param.data, src=state.ranks(name)[0], group=state.group(name))
         if not expert and not getattr(param, "tensor_model_parallel", False) and state.tp_size > 1:
             dist.broadcast(param.data, src=state.ranks("tp")[0], group=state.tp_group)
-
-
-def sync_metrics_over_data_parallel(model: nn.Module, state: ParallelState) -> None:
-    """torchmetrics objects sync over data-parallel replicas only: tp/cp/pp peers saw the same samples.
-
-    A metric's own ``process_group`` is kept; one set here by an earlier run (each ``fit``/``validate``/``test``
-    builds new process groups and destroys the old) is replaced by this run's."""
-    from torchmetrics import Metric
-
-    for module in model.modules():
-        if isinstance(module, Metric) and (module.process_group is None or getattr(module, _OURS, False)):
-            module.process_group = state.dp_cp_group
-            setattr(module, _OURS, True)
-
-
-_OURS = "_data_parallel_group_set_by_megatron"
 
 
 def in_dataset_order(batches: List[Any], state: ParallelState, total: int) -> Optional[List[Any]]:

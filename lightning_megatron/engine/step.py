@@ -3,10 +3,11 @@
 ``StepEngine.run(batch, last_stage, ...)`` cuts this data-parallel rank's batch into micro-batches
 (after taking this rank's context-parallel share of each sequence), runs the pipeline schedule
 (forward and, for training, backward of every micro-batch; ``last_stage(microbatch)`` on the last
-stage returns the loss to backpropagate and the value to report), maybe replayed from CUDA graphs,
-and returns a :class:`StepResult`: the step's loss as one process would report it (a device
-tensor, no host sync when there is one pipeline stage), what the last stage logged, and the
-outputs of forward-only steps.
+stage returns a :class:`StageOutput`: the loss to backpropagate, the value to report and what it
+logs), maybe replayed from CUDA graphs, and returns a :class:`StepResult`: the step's loss as one
+process would report it (a device tensor, no host sync when there is one pipeline stage), the logged
+values combined over micro-batches, stages and cp ranks (``engine/logs.py``), and the outputs of
+forward-only steps.
 
 Losses are per-rank means by default: micro-batches and data-parallel replicas are averaged, which
 is one process's mean when every micro-batch weighs the same. With ``calculate_per_token_loss``
@@ -14,15 +15,16 @@ is one process's mean when every micro-batch weighs the same. With ``calculate_p
 step, and the gradients must be multiplied by ``StepResult.grad_scale`` (dp·cp / global token
 count, applied after the data-parallel average) -- exact for any mix of token counts.
 
-Gradient reduction, clipping and the optimizer are the caller's (``distributed.GradientState``); a
-plain Python loop can drive the engine (``tests/test_engine.py``).
+Gradient reduction, clipping and the optimizer are ``TrainStep``'s (``engine/train_step.py``), the whole
+step protocol a plain Python loop or the Lightning adapter drives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,12 +37,37 @@ from ..parallel import ParallelState
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
-from .metric_sync import named_metrics, pending_changes, send_metric_states
-from .step_logging import (Record, StepLogCapture, broadcast_logs_from_last_stage, combine_logs_over, raise_log_error,
-                            to_host)
+from .logs import (LogError, Logged, broadcast_from_last_stage, check_logged, combine_microbatches, combine_over,
+                   raise_log_error)
 
-# micro-batch -> (loss to backpropagate, value to report[, token count]) | eval output
+# micro-batch -> StageOutput (or, for training, (loss to backpropagate, value to report[, token count]); for
+# evaluation, the step's output)
 LastStage = Callable[[Any], Any]
+
+
+@dataclass
+class StageOutput:
+    """What the last stage's call returns for one micro-batch. Training: ``loss`` (to backpropagate),
+    ``report`` (the value to report; default ``loss.detach()``) and, with per-token losses, ``num_tokens``
+    (the micro-batch's count). Evaluation: ``output``. Both: ``logs``, ``{name: (scalar, op)}`` with op one
+    of ``"mean"`` (weighted by samples), ``"sum"``, ``"max"``, ``"min"``, combined over the step."""
+
+    loss: Optional[torch.Tensor] = None
+    report: Optional[torch.Tensor] = None
+    num_tokens: Any = None
+    logs: Mapping[str, Any] = field(default_factory=dict)
+    output: Any = None
+
+
+def as_stage_output(out: Any, forward_only: bool) -> StageOutput:
+    """A last-stage call's result as a :class:`StageOutput` (tuples for training, anything for evaluation)."""
+    if isinstance(out, StageOutput):
+        return out
+    if forward_only:
+        return StageOutput(output=out)
+    if isinstance(out, tuple):
+        return StageOutput(out[0], *out[1:])
+    return StageOutput(loss=out)
 
 
 @dataclass(frozen=True)
@@ -49,15 +76,16 @@ class StepResult:
 
     ``loss``: the mean of the reported per-micro-batch values over the global batch (a float32
     device scalar; ``None`` for forward-only steps); with per-token losses, the reported sums over
-    the global token count. ``logs``: each name the last stage logged, combined over micro-batches by its
-    reduce_fx, with its ``log`` arguments. ``outputs``: the last stage's per-micro-batch outputs of a
+    the global token count. ``logs``: ``{name: (value, op)}``, each name the last stage logged, combined
+    over micro-batches, stages and context-parallel ranks by its op (device scalars): this data-parallel
+    rank's values (the driver reduces them over dp if it wants the global batch's: Lightning's ``sync_dist``). ``outputs``: the last stage's per-micro-batch outputs of a
     forward-only step (``None`` elsewhere). ``num_tokens``/``grad_scale``: per-token losses only, the
     global token count and the factor the data-parallel-averaged gradients must be multiplied by.
     ``extras``: what ``run``'s ``extras()`` gave on the last stage, on every rank (other stages: on the CPU).
     """
 
     loss: Optional[torch.Tensor]
-    logs: Dict[str, Record]
+    logs: Logged
     outputs: Optional[List[Any]]
     num_microbatches: int
     num_tokens: Optional[torch.Tensor] = None
@@ -133,9 +161,6 @@ class StepEngine:
         self.roots = pipeline_roots(module)
         self.stage_dtype = activation_dtype(module)
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]   # found once, set every step
-        self.metrics = named_metrics(module)   # torchmetrics objects, kept equal over the pipeline's stages
-        self._metric_paths = {id(metric): path for path, metric in self.metrics}
-        self._metric_by_path = dict(self.metrics)
         self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
@@ -187,7 +212,7 @@ class StepEngine:
         core = self._schedule(batch, callables.last_stage, False, callables.step_context, callables.no_sync,
                               aux_loss_scale, in_graph=True, extras=callables.extras)
         return {"reported": core["reported"], "logs": core["logs"], "outputs": None,
-                "num_microbatches": core["num_microbatches"], "log_error": core["log_error"], "metric_logs": {},
+                "num_microbatches": core["num_microbatches"], "log_error": core["log_error"],
                 "extras": core["extras"]}
 
     def _schedule(self, batch: Any, last_stage: LastStage, forward_only: bool,
@@ -204,10 +229,10 @@ class StepEngine:
         if self.chunks > 1:
             resolve_group_size(len(microbatches), state.pp_size, self.chunks, self.group_size)
         roots = self.roots
-        # torchmetrics objects log for real (other stages: their copies, see metric_sync); in a graph: batch values
-        capture = StepLogCapture(module, passthrough_metrics=not in_graph,
-                                 metric_paths=self._metric_paths if state.pp_size > 1 else None)
         results: List[Any] = []
+        logged: List[Logged] = []
+        weights: List[float] = []
+        log_error: List[LogError] = []
         shapes: List[tuple] = []
 
         record_shapes = self.full_graph is not None and state.pp_size > 1   # what a full-step capture needs
@@ -223,16 +248,21 @@ class StepEngine:
                     if record_shapes:
                         shapes.append(tuple(activation.shape))
                     return activation
-                with capture.microbatch(sizes[ctx.microbatch_id]):
-                    out = last_stage(microbatch)
+                out = as_stage_output(last_stage(microbatch), forward_only)
+            try:   # raised on every rank after the step's collectives, not here on the last stage alone
+                logged.append(check_logged(out.logs))
+                weights.append(float(sizes[ctx.microbatch_id]))
+            except (TypeError, ValueError) as err:
+                log_error[:] = log_error or [(type(err).__name__, str(err))]
             if forward_only:
-                results.append(out)
+                results.append(out.output)
                 return torch.zeros(()), None
+            report = out.report if out.report is not None else out.loss.detach()
             if self.per_token:
-                results.append(torch.stack([out[1].detach().float(), _token_count(out[2], self.device)]))
-                return out[0], None
-            results.append(out[1])
-            return out
+                results.append(torch.stack([report.detach().float(), _token_count(out.num_tokens, self.device)]))
+                return out.loss, None
+            results.append(report)
+            return out.loss, report
 
         if self.routers and not forward_only and self.per_token:
             # sums, later divided by the global token count (after the dp·cp average: the cp ranks'
@@ -251,11 +281,18 @@ class StepEngine:
             shape_args: Dict[str, Any] = {"tensor_shape": self._static_activation_shape, "variable_seq_lengths": False}
         else:   # sent ahead (any length); inside a full-step graph nothing may be read on the host
             shape_args = {"variable_seq_lengths": True}
-        forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
-                         dtype=self.stage_dtype, forward_only=forward_only, no_sync=no_sync,
-                         num_tokens=1 if self.per_token else None,   # per-token sums: nothing divided
-                         microbatch_group_size_per_vp_stage=self.group_size,
-                         pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device, **shape_args)
+        try:
+            forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
+                             dtype=self.stage_dtype, forward_only=forward_only, no_sync=no_sync,
+                             num_tokens=1 if self.per_token else None,   # per-token sums: nothing divided
+                             microbatch_group_size_per_vp_stage=self.group_size,
+                             pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device,
+                             **shape_args)
+        finally:   # no received activation (nor its gradient) may outlive the step, in any virtual chunk
+            for chunk in range(self.chunks):
+                with state.running_chunk(chunk) if self.chunks > 1 else contextlib.nullcontext():
+                    for root in roots:
+                        root.set_input_tensor(None)
         if shapes:
             self._static_activation_shape = shapes[-1]
         reported = None
@@ -264,8 +301,8 @@ class StepEngine:
                 reported = torch.stack(results).sum(dim=0)
             else:
                 reported = torch.stack([r.detach().float() for r in results]).mean()
-        return {"reported": reported, "logs": capture.combined() if self.is_last_stage else {},
-                "log_error": capture.error, "metric_logs": capture.metric_logs,
+        return {"reported": reported, "logs": combine_microbatches(logged, weights) if self.is_last_stage else {},
+                "log_error": log_error[0] if log_error else None,
                 "extras": extras() if extras is not None and self.is_last_stage else None,
                 "outputs": results if self.is_last_stage and forward_only else None,
                 "num_microbatches": len(microbatches)}
@@ -292,18 +329,11 @@ class StepEngine:
                 loss, grad_scale = loss[0] / counted, dp_cp / counted
         logs, log_error, extras = core["logs"], core["log_error"], core["extras"]
         if state.pp_size > 1:
-            host = (core["metric_logs"], pending_changes(self.metrics), to_host(extras)) if self.is_last_stage \
-                else None
-            logs, log_error, host = broadcast_logs_from_last_stage(logs, state, self.device, log_error, host)
-            metric_logs, changes, sent = host
+            logs, log_error, sent = broadcast_from_last_stage(logs, state, self.device, log_error, extras)
             extras = extras if self.is_last_stage else sent
-            send_metric_states(self._metric_by_path, changes, state)
-            if not self.is_last_stage:   # the last stage logged its metrics during the step
-                copies = self._metric_by_path
-                logs.update({name: (copies[path], args, kwargs) for name, (path, args, kwargs) in metric_logs.items()})
         raise_log_error(log_error)   # after the step's collectives, on every rank
         if state.cp_size > 1:   # each cp rank logged from its share of the sequences: one value for them all
-            logs = combine_logs_over(logs, state.cp_group, state.cp_size)
+            logs = combine_over(logs, state.cp_group, state.cp_size)
         return StepResult(loss=loss, logs=logs, outputs=core["outputs"], num_microbatches=core["num_microbatches"],
                           num_tokens=num_tokens, grad_scale=grad_scale, extras=extras)
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..parallel import ParallelState
-from .step_logging import to_host
+from ..engine.logs import to_host
 
 # per metric, what the other stages already hold: (update count, {tensor state: the tensor sent},
 # {list state: (items sent, the last item sent)}); the objects themselves are kept, so a reset (new tensors,
@@ -106,3 +106,19 @@ def send_metric_states(by_path: Dict[str, Any], changes: List[Change], state: Pa
                 metric._forward_cache = None
         sent_tensors = {name: getattr(metric, name) for name, _, _ in layout if name != "_forward_cache"}
         setattr(metric, _SENT, (count, sent_tensors, sent_lists))
+
+
+def sync_metrics_over_data_parallel(model: nn.Module, state: ParallelState) -> None:
+    """torchmetrics objects sync over data-parallel replicas only: tp/cp/pp peers saw the same samples.
+
+    A metric's own ``process_group`` is kept; one set here by an earlier run (each ``fit``/``validate``/``test``
+    builds new process groups and destroys the old) is replaced by this run's."""
+    from torchmetrics import Metric
+
+    for module in model.modules():
+        if isinstance(module, Metric) and (module.process_group is None or getattr(module, _OURS, False)):
+            module.process_group = state.dp_cp_group
+            setattr(module, _OURS, True)
+
+
+_OURS = "_data_parallel_group_set_by_megatron"
