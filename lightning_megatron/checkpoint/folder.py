@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import Dict, Optional
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -128,7 +128,7 @@ def check_folder(path: str) -> Metadata:
 def _check_shard_files(path: str, metadata: Metadata) -> None:
     """Name the first shard file that ``.metadata`` refers to but the folder lacks."""
     storage = metadata.storage_data or {}
-    first_key = {}
+    first_key: Dict[str, str] = {}
     for index, info in storage.items():
         first_key.setdefault(info.relative_path, index.fqn)
     for relative, key in sorted(first_key.items()):

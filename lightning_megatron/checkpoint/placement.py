@@ -89,6 +89,7 @@ def placement_of(param: torch.Tensor, ranks: Ranks, first_expert: Optional[int] 
     dim = getattr(param, "partition_dim", 0) if split else None
 
     if split:
+        assert dim is not None
         stride = getattr(param, "partition_stride", 1) or 1
         if shape[dim] % stride:
             raise ValueError(f"a parameter of shape {tuple(shape)} has partition_stride={stride} that does not "

@@ -12,12 +12,12 @@ every tensor, writes ``.metadata``; on load it computes which stored chunks over
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata, MetadataIndex, TensorProperties,
+    ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType, LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType,
@@ -62,7 +62,9 @@ class PieceSavePlanner(DefaultSavePlanner):
             buffer = io.BytesIO()
             torch.save(self.blobs[key], buffer)
             return buffer
-        entry, i = self._slots[(key, tuple(write_item.index.offset))]
+        offset = write_item.index.offset
+        assert offset is not None  # a SHARD item: create_local_plan gave it its offsets
+        entry, i = self._slots[(key, tuple(offset))]
         return entry.placement.pieces[i].view(entry.local).detach()
 
 
@@ -80,11 +82,12 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         requests: List[ReadItem] = []
+        assert self.metadata is not None  # set_up_planner ran first
         for entry in self.entries:
             chunks = [ChunkStorageMetadata(offsets=torch.Size(p.global_offsets), sizes=torch.Size(p.sizes))
                       for p in entry.placement.pieces]
             requests += create_read_items_for_chunk_list(
-                entry.key, self.metadata.state_dict_metadata[entry.key], chunks)
+                entry.key, cast(TensorStorageMetadata, self.metadata.state_dict_metadata[entry.key]), chunks)
         for key in self.blob_keys:
             requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
                                      dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
@@ -96,7 +99,9 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         entry = self._by_key[read_item.dest_index.fqn]
-        piece = entry.placement.pieces[read_item.dest_index.index]   # index: position in our chunk list
+        index = read_item.dest_index.index
+        assert index is not None
+        piece = entry.placement.pieces[index]   # index: position in our chunk list
         target = piece.view(entry.local)
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             target = target.narrow(dim, offset, length)

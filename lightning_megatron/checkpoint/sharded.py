@@ -99,6 +99,7 @@ def load_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimize
     except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = err
     everyone = agree(error, keys)
+    assert plan is not None  # agree raised every rank's error: the plan was built
     if strict:
         wanted = {key for rank_keys in everyone for key in rank_keys}
         extra = unexpected_keys(plan.metadata.state_dict_metadata, wanted, prefix)

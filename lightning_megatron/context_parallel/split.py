@@ -9,7 +9,7 @@ same layout, so one split serves every model and every ``[b, s]`` tensor of a ba
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
@@ -65,6 +65,12 @@ def _split_tensor(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int, wha
                      dim=seq_dim)
 
 
+@overload
+def split_for_context_parallel(batch: torch.Tensor, cp_size: int, cp_rank: int,
+                               seq_dim: int = 1, keys: Optional[Sequence[str]] = None) -> torch.Tensor: ...
+@overload
+def split_for_context_parallel(batch: Mapping[str, Any], cp_size: int, cp_rank: int,
+                               seq_dim: int = 1, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]: ...
 def split_for_context_parallel(batch: Union[torch.Tensor, Mapping[str, Any]], cp_size: int, cp_rank: int,
                                seq_dim: int = 1, keys: Optional[Sequence[str]] = None
                                ) -> Union[torch.Tensor, Dict[str, Any]]:

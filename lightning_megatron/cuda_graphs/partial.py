@@ -64,7 +64,7 @@ class _EntryState:
     chunk: int
     position: int                               # index among the chunk's entries
     signature: Optional[Tuple[Any, ...]] = None  # of the arguments seen during warm-up
-    autocast: Optional[Tuple[str, torch.dtype]] = None   # (device type, dtype) when called under autocast
+    autocast: Optional[Tuple[str, Optional[torch.dtype]]] = None   # (device type, autocast dtype or None when off)
     conflict: Optional[str] = None
     runners: List[MicrobatchGraphs] = field(default_factory=list)
     calls: int = 0                              # graphed calls this step = the micro-batch index
@@ -134,7 +134,7 @@ class PartialCudaGraphs:
         order = tuple(order)
         for state in self._states():
             state.calls = 0
-        if self.captured:
+        if self.order is not None:   # captured
             reason = None
             if order != self.order:
                 reason = (f"the schedule order changed (captured for {microbatches_per_chunk(self.order)} "
@@ -191,6 +191,7 @@ class PartialCudaGraphs:
                 if step.is_forward:
                     prev: Optional[MicrobatchGraphs] = None
                     for s in chunk:
+                        assert s.signature is not None   # checked above
                         slot = plan.slot[(step.chunk, mb)]
                         key = (keys[step.chunk], s.position, slot)
                         if key not in buffers:   # a chained piece's first input is the previous output
@@ -241,7 +242,7 @@ class PartialCudaGraphs:
     def remove(self) -> None:
         """Give the layers their eager calls back and drop every graph."""
         for state in self._states():
-            state.entry.layer.set_graphed(state.entry.method, None)
+            state.entry.graphable.set_graphed(state.entry.method, None)
             state.runners = []
         self.order, self.backend = None, None
 
@@ -256,7 +257,7 @@ class PartialCudaGraphs:
     # -- interception --------------------------------------------------------------------------
     def _install(self) -> None:
         for state in self._states():
-            layer, method = state.entry.layer, state.entry.method
+            layer, method = state.entry.graphable, state.entry.method
             previous = layer.set_graphed(method, self._make_call(state))
             if previous is not None:
                 layer.set_graphed(method, previous)
@@ -286,6 +287,7 @@ class PartialCudaGraphs:
                                 f"{_autocast_state(args)}; running it eagerly")
                 return entry.eager(*args)
             if signature(args) != state.signature:
+                assert state.signature is not None   # recorded before the capture
                 self._warn_once(("shape", state.entry.piece.name),
                                 f"{entry.piece.name}: {first_difference(state.signature, signature(args))}; "
                                 f"running it eagerly (graphs need static shapes)")
@@ -309,6 +311,7 @@ class PartialCudaGraphs:
         """Run each piece forward and backward on sample inputs on the capture stream (lazy inits)."""
         for chunk in self.chunks:
             for state in chunk:
+                assert state.signature is not None   # capture checked it
                 for _ in range(self.capture_warmup_iters):
                     inputs = _static_inputs(state.signature)
                     with torch.enable_grad(), self._rng_context(state.chunk), _autocast_context(state.autocast)():
@@ -330,7 +333,7 @@ class PartialCudaGraphs:
 
     def _current_constants(self) -> Dict[Tuple[int, str], Any]:
         return {(id(s.entry.layer), name): value for s in self._states()
-                for name, value in s.entry.layer.graph_constants().items()}
+                for name, value in s.entry.graphable.graph_constants().items()}
 
     def _states(self) -> Iterator[_EntryState]:
         for chunk in self.chunks:
@@ -351,7 +354,8 @@ def layer_chunks(model: nn.Module, num_chunks: int = 1) -> List[List[nn.Module]]
     from ..pipeline.chunks import VirtualChunks
 
     if num_chunks == 1:
-        found = [m.graphable_layers() for m in model.modules() if callable(getattr(m, "graphable_layers", None))]
+        found = [m.graphable_layers() for m in model.modules()  # type: ignore[operator]  # checked callable
+                 if callable(getattr(m, "graphable_layers", None))]
         if len(found) != 1:
             raise ValueError(f"found {len(found)} containers of graphable layers (TransformerBlock/PipelineStack) "
                              f"in {type(model).__name__}; layer_chunks needs exactly one per chunk. Pass the layers "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -71,6 +71,7 @@ class MicrobatchGraphs:
             return self.live
 
         self.static_outputs = tuple(self._capture(self.fwd, body, "forward"))
+        assert self.live is not None   # body ran
         self.differentiable = [i for i, o in enumerate(self.live) if o.requires_grad]
         return self.static_outputs
 
@@ -79,7 +80,8 @@ class MicrobatchGraphs:
         for i in self.differentiable:
             if self.static_grad_outputs[i] is None:
                 raise CudaGraphError(f"{self.label}: no gradient buffer for differentiable output {i}.")
-        targets = [self.static_inputs[i] for i in self.grad_input_positions] + self.params
+        # grad_input_positions: the inputs that are tensors (requiring grad)
+        targets = cast(List[torch.Tensor], [self.static_inputs[i] for i in self.grad_input_positions]) + self.params
 
         def body() -> Tuple[Optional[torch.Tensor], ...]:
             live = self.live
@@ -137,7 +139,10 @@ class MicrobatchGraphs:
                     hook(module, ())
         with torch.no_grad():
             for static, given in zip(self.static_inputs, inputs):
-                if static is not None and not _same_memory(static, given):
+                if static is None:
+                    continue
+                given = _present(given)   # the call's signature matched the capture's: a tensor where it had one
+                if not _same_memory(static, given):
                     static.copy_(given)
         self.backend.replay(self.fwd)
         return self.static_outputs
@@ -145,7 +150,7 @@ class MicrobatchGraphs:
     def replay_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> Tuple[List[Optional[torch.Tensor]], ...]:
         with torch.no_grad():
             for i in self.differentiable:
-                static, given = self.static_grad_outputs[i], grads[i]
+                static, given = _present(self.static_grad_outputs[i]), grads[i]   # capture_backward checked it
                 if given is None:
                     static.zero_()
                 elif not _same_memory(static, given):
@@ -156,7 +161,7 @@ class MicrobatchGraphs:
         param_grads = list(self.static_grad_inputs[n:])
         present = [i for i, g in enumerate(param_grads) if g is not None]
         if present:   # one multi-tensor kernel: fresh tensors autograd may adopt as .grad
-            fresh = torch._foreach_mul([param_grads[i] for i in present], 1.0)
+            fresh = torch._foreach_mul([_present(param_grads[i]) for i in present], 1.0)
             for i, g in zip(present, fresh):
                 param_grads[i] = g
         return input_grads, param_grads
@@ -166,9 +171,16 @@ class MicrobatchGraphs:
         return _Replay.apply(self, len(inputs), *inputs, *self.params)
 
 
+def _present(tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    """A tensor the graphs' bookkeeping guarantees (a static input where the capture had one, the gradient
+    buffer of a differentiable output, a parameter gradient listed as present)."""
+    assert tensor is not None
+    return tensor
+
+
 def mark_pool_owned(tensor: torch.Tensor) -> torch.Tensor:
     """Tag a static tensor that lives in the graph pool (chained inputs, gradient chains)."""
-    tensor._graph_pool_owned = True
+    tensor._graph_pool_owned = True  # type: ignore[attr-defined]  # runtime attribute
     return tensor
 
 

@@ -23,12 +23,12 @@ previous graph's output, no copy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
 
-from ..transformer.graphable import Finish, missing_methods
+from ..transformer.graphable import Finish, GraphableLayer, missing_methods
 from .errors import CudaGraphError
 from .runner import Outputs, Piece
 
@@ -50,6 +50,11 @@ class Entry:
     ends_cleanly: bool                        # False: the graph stops inside its last segment (MoE)
     sequence_parallel: bool
     chained: bool = False
+
+    @property
+    def graphable(self) -> GraphableLayer:
+        """``layer`` through the graphable-layer protocol (``layer_entries`` checked that it has the methods)."""
+        return cast(GraphableLayer, self.layer)
 
 
 def normalize_scope(scope: Union[None, str, Iterable[str]]) -> FrozenSet[str]:
@@ -76,7 +81,7 @@ def layer_entries(layer: nn.Module, index: int, scope: FrozenSet[str]) -> List[E
             f"what to capture, set_graphed(entry, fn) routes the layer's call to the graph, graph_constants() "
             f"names host values baked into it. Implement them, or use cuda_graph=None.")
     entries = []
-    for piece in layer.graph_pieces(scope):
+    for piece in cast(GraphableLayer, layer).graph_pieces(scope):
         if piece.recomputed:
             raise CudaGraphError("recompute_layers=True re-runs layers in backward, which a captured graph cannot "
                                  "do; set TransformerConfig(recompute_layers=False) with partial CUDA graphs (the "

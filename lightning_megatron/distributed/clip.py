@@ -59,8 +59,10 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
     plan = plan or clip_plan(params, state)
     dense = [p.grad for p in plan.dense if p.grad is not None]
     expert = [p.grad for p in plan.expert if p.grad is not None]
-    device = params[0].grad.device if params else (device or torch.device("cpu"))
-    totals = []
+    first = params[0].grad if params else None
+    device = first.device if first is not None else (device or torch.device("cpu"))
+    totals: List[torch.Tensor] = []
+    local: Optional[torch.Tensor]
     for grads, name in ((dense, "mp"), (expert, "tp-ep-pp")):
         group = None if sharded else state.group(name)   # None: the world, i.e. also over the data shards
         alone = dist.get_world_size() == 1 if sharded else state.size(name) == 1   # nothing to reduce
@@ -91,9 +93,9 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: Paral
                    norm_type: float = 2.0, sharded: bool = False,
                    device: Optional[torch.device] = None, plan: Optional[ClipPlan] = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parallel model: same norm, same coefficient."""
-    params: List[nn.Parameter] = [p for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
     total = global_grad_norm(params, state, norm_type, sharded, device, plan)
-    scale_grads_([p.grad for p in params], torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    scale_grads_([p.grad for p in params if p.grad is not None], torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 

@@ -76,7 +76,7 @@ class DataParallelGrads:
 
     # -- the backward ------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # runtime attribute
         param.grad = None
         if not (self.overlap_grad_reduce and self._sync):
             return
@@ -131,7 +131,7 @@ class DataParallelGrads:
     def attach(self) -> None:
         """``param.grad = param.main_grad`` (cast to the parameter's dtype if the buffer's differs)."""
         for param in self.params:
-            grad = param.main_grad
+            grad = param.main_grad  # type: ignore[attr-defined]  # runtime attribute
             param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
     def detach(self) -> None:

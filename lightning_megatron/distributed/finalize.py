@@ -71,8 +71,8 @@ def finalize_model_grads(modules: Iterable[nn.Module], state: ParallelState,
         elif embedding is not None:
             embedding()
         if state.tp_size > 1:
-            partial = [p.main_grad for p in sequence_parallel_params(params)
-                       if getattr(p, "main_grad", None) is not None]
+            partial = [p.main_grad  # type: ignore[attr-defined]  # runtime attribute
+                       for p in sequence_parallel_params(params) if getattr(p, "main_grad", None) is not None]
             if partial:
                 _all_reduce_coalesced(partial, state.tp_group, divisor=1)
         return
@@ -83,9 +83,9 @@ def finalize_model_grads(modules: Iterable[nn.Module], state: ParallelState,
     if not reduce_data_parallel:
         return
     divisor = state.size("dp-cp")
-    for (name, _), grads in data_parallel_buckets(params).items():
+    for (name, _), bucket in data_parallel_buckets(params).items():
         if state.size(name) > 1:
-            _all_reduce_coalesced(grads, state.group(name), divisor=divisor)
+            _all_reduce_coalesced(bucket, state.group(name), divisor=divisor)
         elif divisor != 1:   # experts alone in their edp group (edp=1) still summed dp·cp ranks' tokens
-            for grad in grads:
+            for grad in bucket:
                 grad.div_(divisor)

@@ -105,7 +105,7 @@ class GradBuffer:
         self.ranges: Dict[int, Tuple[int, int]] = {}
         for param, (start, end) in zip(self.params, ranges):
             self.ranges[id(param)] = (start, end)
-            param.main_grad = self.data[start:end].view_as(param)
+            param.main_grad = self.data[start:end].view_as(param)  # type: ignore[attr-defined]  # runtime attribute
         self.buckets = [Bucket(i, s.start, s.end, [self.params[j] for j in s.params], s.isolated)
                         for i, s in enumerate(specs)]
         self.bucket_of: Dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}

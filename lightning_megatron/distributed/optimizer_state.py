@@ -12,7 +12,7 @@ loads too, and the full state loads into a plain optimizer (torch ignores the ex
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -167,7 +167,7 @@ class FullOptimizerView:
     TP/PP/EP, take it like any ``torch.optim`` optimizer; ``load_state_dict`` keeps this rank's pieces.
     """
 
-    def __init__(self, full: Dict[str, Any], originals: List[torch.Tensor],
+    def __init__(self, full: Dict[str, Any], originals: Sequence[torch.Tensor],
                  dist_opt: Optional[DistributedOptimizer] = None, optimizer: Optional[torch.optim.Optimizer] = None):
         self._originals, self._dist_opt, self._optimizer = originals, dist_opt, optimizer
         self._groups = full["param_groups"]
@@ -201,6 +201,7 @@ class FullOptimizerView:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if self._dist_opt is None:
             raise RuntimeError("this optimizer view holds saved state only; build it with to_load() to load.")
+        assert self._optimizer is not None   # given together with dist_opt
         state = {i: dict(s) for i, s in state_dict["state"].items()}
         masters = {i: s.pop(MAIN_PARAM_KEY) for i, s in state.items() if MAIN_PARAM_KEY in s}
         elementwise = {i: [k for k, v in s.items() if _is_elementwise(v, self._originals[i])] for i, s in state.items()}

@@ -18,6 +18,7 @@ from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import (
     gather_from_sequence_parallel_region, init_method_normal, pad_vocab_size, vocab_parallel_cross_entropy,
 )
+from ..tensor_parallel.utils import set_tensor_model_parallel_attributes
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig, build_norm, seeded
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
@@ -99,10 +100,11 @@ class BertLMHead(nn.Module):
         self.dense = _replicated_linear(config, "lm_head.dense", config.hidden_size, config.hidden_size)
         self.norm = build_norm(config)
         for param in self.norm.parameters():
-            param.sequence_parallel = False   # the head runs on gathered, replicated hidden states
+            # the head runs on gathered, replicated hidden states
+            param.sequence_parallel = False  # type: ignore[attr-defined]  # runtime attribute
         self.bias = nn.Parameter(torch.zeros(padded_vocab_size // get_parallel_state().tp_size,
                                              dtype=config.params_dtype))
-        self.bias.tensor_model_parallel, self.bias.partition_dim, self.bias.partition_stride = True, 0, 1
+        set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
 
     def forward(self, hidden_states: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         """``[b, s, h]`` → vocab-parallel logits ``[b, s, V_padded/tp]``."""
@@ -121,12 +123,15 @@ class BertForMaskedLM(nn.Module):
         self.bert = BertModel(config, vocab_size, add_pooler=False, **bert_kwargs)
         self.lm_head = BertLMHead(config, self.bert.padded_vocab_size) if self.bert.post_process else None
         if self.lm_head is not None:
-            self.lm_head.bias.vocab_size = vocab_size  # rows past it are tp-dependent padding
+            # rows past it are tp-dependent padding
+            self.lm_head.bias.vocab_size = vocab_size  # type: ignore[attr-defined]  # runtime attribute
         # the last stage's copy of the tied table when the pipeline puts it on another stage
         self.output_weight = (output_weight_for_stage(config, vocab_size, self.bert.padded_vocab_size, tied=True)
                               if self.bert.post_process and not self.bert.pre_process else None)
         if self.bert.pre_process and not self.bert.post_process:
-            self.bert.word_embeddings_weight().shared_embedding = True
+            table = self.bert.word_embeddings_weight()
+            assert table is not None   # the first stage holds the embedding
+            table.shared_embedding = True  # type: ignore[attr-defined]  # runtime attribute
 
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         self.bert.set_input_tensor(tensor)
@@ -137,6 +142,7 @@ class BertForMaskedLM(nn.Module):
         if not self.bert.post_process:
             return out
         weight = self.output_weight if self.output_weight is not None else self.bert.word_embeddings_weight()
+        assert self.lm_head is not None   # built on the last stage (post_process)
         logits = self.lm_head(out.hidden_states, weight)
         if labels is None:
             return logits
@@ -161,6 +167,7 @@ class BertForSequenceClassification(nn.Module):
         out = self.bert(input_ids, attention_mask, token_type_ids)
         if not self.bert.post_process:
             return out
+        assert self.classifier is not None   # built on the last stage (post_process)
         return self.classifier(self.dropout(out.pooled))                   # [b, num_labels]
 
 
@@ -184,4 +191,5 @@ class BertForMultipleChoice(nn.Module):
         out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids))
         if not self.bert.post_process:
             return out
+        assert self.classifier is not None   # built on the last stage (post_process)
         return self.classifier(self.dropout(out.pooled)).view(b, choices)

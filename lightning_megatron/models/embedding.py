@@ -23,7 +23,7 @@ def _replicated_embedding(config: TransformerConfig, rows: int, name: str) -> nn
         table = nn.Embedding(rows, config.hidden_size, dtype=config.params_dtype)
         init_method_normal(config.init_method_std)(table.weight.data)
     # under sequence parallelism each rank looks up only its slice of positions: partial grads
-    table.weight.sequence_parallel = config.sequence_parallel
+    table.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # runtime attribute
     return table
 
 
@@ -116,5 +116,5 @@ def output_weight_for_stage(config: TransformerConfig, vocab_size: int, padded_v
                                       init_method=init_method_normal(config.init_method_std),
                                       params_dtype=config.params_dtype, vocab_size=vocab_size)
     weight = twin.weight
-    weight.shared_embedding = tied
+    weight.shared_embedding = tied  # type: ignore[attr-defined]  # runtime attribute
     return weight

@@ -5,7 +5,7 @@ class is a Llama (see ``models.llama``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ class GPTModel(nn.Module):
 
     # the last stage's copy of the tied table is this weight in the single-process model
     tied_weights = {"output_weight": "embedding.word_embeddings.weight"}
+    hf_config: Dict[str, Any]   # set by models.hf_llama.load_hf_llama: the imported config.json (exports keep its keys)
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  vp_rank: int = 0, tie_word_embeddings: bool = True, label_smoothing: float = 0.0,
@@ -70,7 +71,8 @@ class GPTModel(nn.Module):
             self.output_weight = output_weight_for_stage(config, vocab_size, self.padded_vocab_size,
                                                          tie_word_embeddings)
         if tie_word_embeddings and self.pre_process and not self.post_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            # shared_embedding: a runtime attribute (pipeline/shared_embeddings.py reads it)
+            self.embedding.word_embeddings.weight.shared_embedding = True  # type: ignore[attr-defined]
 
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         self.input_tensor = tensor

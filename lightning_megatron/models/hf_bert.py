@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -129,7 +129,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> 
 
 def _split_qkv(qkv: torch.Tensor, heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_head = qkv.reshape(heads, 3, -1, *qkv.shape[1:])
-    return tuple(t.reshape(-1, *qkv.shape[1:]).contiguous() for t in per_head.unbind(1))
+    q, k, v = (t.reshape(-1, *qkv.shape[1:]).contiguous() for t in per_head.unbind(1))
+    return q, k, v
 
 
 def _hf_name(name: str) -> Optional[str]:
@@ -228,7 +229,7 @@ def load_hf_bert(module: nn.Module, path: str, strict_heads: bool = False) -> No
 def full_shape(param: torch.Tensor, tp_size: int) -> torch.Size:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
+        shape[param.partition_dim] *= tp_size  # type: ignore[attr-defined]  # runtime attribute
     return torch.Size(shape)
 
 
@@ -293,12 +294,12 @@ def save_hf_bert(module: nn.Module, path: str) -> None:
             raise KeyError(f"model parameter {local_name!r} has no Hugging Face BERT counterpart.")
         mine[hf_name] = full[:bert.vocab_size].clone() if name == "embedding.word_embeddings.weight" else full
     writer = state.dp_rank == 0 and state.cp_rank == 0 and state.tp_rank == 0
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: Optional[List[Any]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine if writer else {}, gathered, dst=0)
-    if dist.get_rank() == 0:
+    if gathered is not None:   # rank 0
         tensors: Dict[str, torch.Tensor] = {}
-        for part in gathered:
-            tensors.update(part)
+        for shard in gathered:
+            tensors.update(shard)
         from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from ..transformer import TransformerConfig
 from .gpt import GPTModel
 from .llama import LLAMA_DEFAULTS, LlamaModel
 from .sharding import full_of, global_names
+
+if TYPE_CHECKING:
+    from ..moe.experts import GroupedMLP
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
 Segments = List[Tuple[Optional[str], int, int]]   # (HF name or None for zeros, first row, end row)
@@ -153,6 +156,9 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     else:
         out["sliding_window"] = c.sliding_window
     if model_type == "mixtral":
+        if c.moe is None:
+            raise ValueError("model_type='mixtral' describes a mixture-of-experts model, but this model has no "
+                             "TransformerConfig.moe; use model_type='llama' or 'mistral'.")
         out.update(num_local_experts=c.moe.num_experts, num_experts_per_tok=c.moe.topk,
                    intermediate_size=c.moe.ffn_hidden_size)
     return out
@@ -212,6 +218,7 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
     """Hugging Face tensor name → shape for ``model``'s configuration (every layer, every expert)."""
     c = model.config
     h, d, heads, groups, ffn = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups, c.ffn_hidden_size
+    assert ffn is not None   # TransformerConfig.__post_init__ filled it
     shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if not model.tie_word_embeddings:
         shapes["lm_head.weight"] = (model.vocab_size, h)
@@ -237,8 +244,9 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
     (0, or 1 for the row-parallel weights, whose columns are split)."""
     c = model.config
     d, heads, groups = c.head_dim, c.num_attention_heads, c.query_groups
-    vocab_rows = [(None, 0, model.padded_vocab_size - model.vocab_size)] if model.padded_vocab_size > model.vocab_size \
-        else []
+    assert c.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
+    vocab_rows: Segments = ([(None, 0, model.padded_vocab_size - model.vocab_size)]
+                            if model.padded_vocab_size > model.vocab_size else [])
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", 0, model.vocab_size)] + vocab_rows, 0
     if name == "output_weight":
@@ -268,14 +276,18 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
     if rest == "mlp.fc2.weight":
         return [(p + "mlp.down_proj.weight", 0, c.ffn_hidden_size)], 1
     if rest == "mlp.router.weight":
+        assert c.moe is not None   # only MoE layers have a router
         return [(p + "block_sparse_moe.gate.weight", 0, c.moe.num_experts)], 0
     raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
 
 
 def _expert_segments(name: str, expert: int, model: GPTModel) -> Tuple[Segments, int]:
     """One expert's slice of ``weight1`` ([gate; up] = [w1; w3]) or ``weight2`` (w2, columns split)."""
-    layer, which = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.(weight[12])", name).groups()
-    f = model.config.moe.ffn_hidden_size
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.(weight[12])", name)
+    moe = model.config.moe
+    assert match is not None and moe is not None   # the caller passes MoE layers' expert weights
+    layer, which = match.groups()
+    f = moe.ffn_hidden_size
     q = f"{_hf_layer(int(layer))}block_sparse_moe.experts.{expert}."
     if which == "weight1":
         return [(q + "w1.weight", 0, f), (q + "w3.weight", 0, f)], 0
@@ -356,7 +368,7 @@ def load_hf_llama(module: nn.Module, path: Union[str, os.PathLike]) -> int:
                 if local_name == "output_weight":
                     name = "output_weight"   # the untied output layer, or a last stage's tied copy
                 if name.endswith(("mlp.experts.weight1", "mlp.experts.weight2")):
-                    experts = chunk.get_submodule(local_name.rsplit(".", 1)[0])
+                    experts = cast("GroupedMLP", chunk.get_submodule(local_name.rsplit(".", 1)[0]))
                     tensors = []
                     for i in range(experts.num_local_experts):
                         segments, dim = _expert_segments(name, experts.first_expert + i, chunk)
@@ -523,6 +535,7 @@ def save_hf_llama(module: nn.Module, out_dir: Union[str, os.PathLike], max_shard
                     continue
                 tensor = tensor.to(dtype or tensor.dtype).contiguous()
                 if rank == 0:
+                    assert sink is not None
                     sink.add(hf_name, tensor.cpu())
                 else:
                     dist.send_object_list([(hf_name, tuple(tensor.shape), tensor.dtype)], dst=0)
@@ -539,8 +552,9 @@ def save_hf_llama(module: nn.Module, out_dir: Union[str, os.PathLike], max_shard
                 hf_name, shape, tensor_dtype = box[0]
                 buffer = torch.empty(shape, dtype=tensor_dtype, device=device)
                 dist.recv(buffer, src=src)
+                assert sink is not None
                 sink.add(hf_name, buffer.cpu())
-    if rank == 0:
+    if sink is not None:   # rank 0
         last = chunks[-1]
         sink.finish(hf_config_of(last, model_type, dtype, getattr(last, "hf_config", None)))
     dist.barrier()

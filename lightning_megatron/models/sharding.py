@@ -85,7 +85,8 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int
     """This rank's piece of ``full`` for ``param`` (honouring ``partition_dim``/``partition_stride``)."""
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
         return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    # partition_dim: a runtime attribute, set with tensor_model_parallel
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)  # type: ignore[attr-defined]
     blocks = torch.split(full, full.shape[dim] // (tp_size * stride), dim=dim)
     return torch.cat(blocks[tp_rank::tp_size], dim=dim)
 
@@ -94,6 +95,7 @@ def full_of(shard: torch.Tensor, param: torch.Tensor, group: Optional[dist.Proce
     """The full tensor of ``param`` from every tp rank's ``shard`` (a collective over ``group``)."""
     if not getattr(param, "tensor_model_parallel", False) or group is None or dist.get_world_size(group) == 1:
         return shard
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    # partition_dim: a runtime attribute, set with tensor_model_parallel
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)  # type: ignore[attr-defined]
     blocks = shard.chunk(stride, dim=dim)
     return torch.cat([gather_along_dim(b.contiguous(), dim, group) for b in blocks], dim=dim)

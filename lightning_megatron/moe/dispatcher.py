@@ -155,6 +155,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if m.capacity is not None:
             per_rank = n_local * m.capacity
             return {"send": [per_rank] * ep, "recv": [per_rank] * ep, "gathered": [ep * per_rank] * etp}
+        assert m.counts is not None   # dropless: preprocess gathered the counts
         rows = m.counts.view(etp, ep, ep, n_local).sum(dim=-1)      # [etp q, ep src j, ep dst p]
         q, p = self.etp_rank, self.ep_rank
         host = torch.cat([rows[q, p], rows[q, :, p], rows[:, :, p].sum(dim=1)]).tolist()  # the one sync
@@ -162,6 +163,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
 
     def dispatch(self, hidden: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
         m = self.meta
+        assert m.tokens_per_expert is not None   # set by preprocess
         self._row_probs = probs
         if self.ep_size * self.etp_size == 1:
             return hidden, m.tokens_per_expert
@@ -173,6 +175,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         if m.capacity is not None:
             x = x.view(sources, self.num_local_experts, m.capacity, -1).transpose(0, 1).reshape(x.shape)
         else:
+            assert m.counts is not None   # dropless: preprocess gathered the counts
             chunks = m.counts[:, :, self.local_experts].reshape(sources, self.num_local_experts)
             m.sort_index = chunk_sort_index(chunks, sum(m.splits["gathered"]))
             x = gather_permutation(x, m.sort_index)
@@ -181,17 +184,20 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def combine(self, expert_output: Tensor) -> Tensor:
         m, y = self.meta, expert_output
         if self.ep_size * self.etp_size > 1:
+            assert m.splits is not None   # set by dispatch
             g = self.groups
             sources = self.ep_size * self.etp_size
             if m.capacity is not None:
                 y = y.view(self.num_local_experts, sources, m.capacity, -1).transpose(0, 1).reshape(y.shape)
             else:
+                assert m.sort_index is not None   # set by dispatch (dropless)
                 y = gather_permutation(y, inverse_permutation(m.sort_index), m.sort_index)
             y = reduce_scatter_rows(y, g.etp, m.splits["gathered"])
             y = all_to_all(y, g.ep, m.splits["send"], m.splits["recv"])
         if m.token_order is not None:
             out = unpermute_per_token(y, m.token_order, m.num_tokens, self._row_probs, out_dtype=m.dtype)
         else:
+            assert m.slots is not None   # set by preprocess
             out = unpermute(y, m.slots, m.num_tokens, self._row_probs, out_dtype=m.dtype, token_rows=m.token_rows)
         self._row_probs = None
         return out
@@ -212,6 +218,7 @@ class AllGatherTokenDispatcher(TokenDispatcher):
         m, group = self.meta, self.groups.tp_ep
         sources = group_size(group)
         routing_map = m.routing_map
+        assert routing_map is not None   # set by preprocess
         if sources > 1:
             hidden = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=True)
             probs = gather_from_sequence_parallel_region(probs, group, tensor_parallel_output_grad=True)
@@ -232,6 +239,7 @@ class AllGatherTokenDispatcher(TokenDispatcher):
     def combine(self, expert_output: Tensor) -> Tensor:
         m, group = self.meta, self.groups.tp_ep
         num_gathered = m.num_tokens * group_size(group)
+        assert m.slots is not None   # set by dispatch
         out = unpermute(expert_output, m.slots, num_gathered, self._row_probs, out_dtype=m.dtype,
                         token_rows=m.token_rows)
         self._row_probs = None

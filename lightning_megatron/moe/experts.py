@@ -23,7 +23,7 @@ the numbers EP=1 holds, whatever the layout.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Protocol, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,20 @@ def _expert_master(shape, init_method: InitMethod, seed: int):
     return master
 
 
+class AlignedGroupedMatmul(Protocol):
+    """``(a [R, K], b_t [E, K, N], offsets) -> [R, N]`` per group, groups aligned to ``alignment`` rows
+    (``quantization.float8.Float8GroupedMatmul``)."""
+
+    alignment: int
+
+    def __call__(self, a: Tensor, b_t: Tensor, offsets: Tensor) -> Tensor: ...
+
+
+def _copy_of(weight: Tensor) -> InitMethod:
+    """An init method that copies ``weight`` (a slice of the expert's master) into the shard."""
+    return lambda t: t.copy_(weight)
+
+
 class GroupedMLP(nn.Module):
     """``num_local_experts`` MLPs ``act(x W1ᵀ) W2ᵀ`` over rows grouped by expert.
 
@@ -104,7 +118,7 @@ class GroupedMLP(nn.Module):
         self.activation, self.backend = activation, backend
         self.first_expert, self.etp_size, self.etp_rank = first_expert, etp_size, etp_rank
         # (a [R, K], b_t [E, K, N], offsets) -> [R, N] per group, groups aligned to its ``alignment``
-        self.float8: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
+        self.float8: Optional[AlignedGroupedMatmul] = None
         n = 2 if activation == "swiglu" else 1
         ffn_local = divide(ffn_hidden_size, etp_size, "ffn_hidden_size", by="expert tensor-parallel size (etp)")
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, n * ffn_local, hidden_size,
@@ -113,7 +127,7 @@ class GroupedMLP(nn.Module):
                                                 dtype=params_dtype, device=device))
         for weight, dim in ((self.weight1, 1), (self.weight2, 2)):
             set_tensor_model_parallel_attributes(weight, etp_size > 1, dim, n if dim == 1 else 1)
-            weight.expert_parallel = True
+            weight.expert_parallel = True  # type: ignore[attr-defined]  # runtime attribute
         if perform_initialization:
             self.reset_parameters(init_method or init_method_normal(),
                                   output_layer_init_method or init_method or init_method_normal())
@@ -128,9 +142,8 @@ class GroupedMLP(nn.Module):
             seed = base + 2 * (self.first_expert + i)
             w1 = _expert_master((n * self.ffn_hidden_size, self.hidden_size), init_method, seed)
             w2 = _expert_master((self.hidden_size, self.ffn_hidden_size), output_layer_init_method, seed + 1)
-            init_sharded_(self.weight1[i], w1.shape, 0, lambda t, w=w1: t.copy_(w), self.etp_rank,
-                          self.etp_size, stride=n)
-            init_sharded_(self.weight2[i], w2.shape, 1, lambda t, w=w2: t.copy_(w), self.etp_rank, self.etp_size)
+            init_sharded_(self.weight1[i], w1.shape, 0, _copy_of(w1), self.etp_rank, self.etp_size, stride=n)
+            init_sharded_(self.weight2[i], w2.shape, 1, _copy_of(w2), self.etp_rank, self.etp_size)
 
     def pick_backend(self, x: Tensor, rows_per_expert: Optional[int]) -> str:
         if self.backend != "auto":
@@ -167,13 +180,13 @@ class GroupedMLP(nn.Module):
             offs = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _activate(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs), self.activation)
             return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-        counts = tokens_per_expert.tolist()   # free on CPU; the fallback's one sync on a GPU
+        sizes = tokens_per_expert.tolist()   # free on CPU; the fallback's one sync on a GPU
         outs = [F.linear(_activate(F.linear(rows, w1[i]), self.activation), w2[i])
-                for i, rows in enumerate(x.split(counts, dim=0))]
+                for i, rows in enumerate(x.split(sizes, dim=0))]
         return torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.hidden_size)
 
     def aligned_forward(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor,
-                        grouped_mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+                        grouped_mm: AlignedGroupedMatmul) -> Tensor:
         """Both projections through ``grouped_mm`` on the aligned layout (zero rows between groups), then
         the real rows back in their order."""
         aligned, rows, offsets = align_groups(x, counts, grouped_mm.alignment)

@@ -71,7 +71,7 @@ class GraphReplay:
         return {"fn": self.fn, "max_signatures": self.max_signatures}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(state["fn"], state["max_signatures"])
+        type(self).__init__(self, state["fn"], state["max_signatures"])
 
     @property
     def num_graphs(self) -> int:

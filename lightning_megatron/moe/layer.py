@@ -42,7 +42,7 @@ from ..tensor_parallel.layers import InitMethod
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, group_rank, group_size
-from .dispatcher import DISPATCHERS, TokenDispatcher, build_dispatcher
+from .dispatcher import DISPATCHERS, DispatchMetadata, TokenDispatcher, build_dispatcher
 from .echo import home_expert_of_spare, interleave_spare_slots, plan_token_moves, reroute_probs
 from .experts import ACTIVATIONS, GroupedMLP, SharedExpertMLP
 from .graph_replay import GraphReplay
@@ -95,7 +95,7 @@ class MoEConfig:
                              f"set capacity_factor=None (got {self.capacity_factor}); offloading rebalances the "
                              "tokens a capacity would drop.")
 
-    def router_kwargs(self) -> Dict[str, object]:
+    def router_kwargs(self) -> Dict[str, Any]:
         names = ("score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "aux_loss_coeff",
                  "seq_aux_loss_coeff", "z_loss_coeff", "enable_expert_bias", "expert_bias_update_rate",
                  "capacity_factor", "drop_policy", "pad_to_capacity")
@@ -151,7 +151,7 @@ class MoELayer(nn.Module):
                                  params_dtype=params_dtype, device=device, loss_group=groups.tp_cp if groups else None,
                                  **config.router_kwargs())
         # Tokens are split over tp before routing, so the router's gradient is partial over tp.
-        self.router.weight.sequence_parallel = self.tp_size > 1
+        self.router.weight.sequence_parallel = self.tp_size > 1  # type: ignore[attr-defined]  # runtime attribute
         if config.shared_expert_ffn_hidden_size:
             self.shared_experts: Optional[SharedExpertMLP] = SharedExpertMLP(
                 config.hidden_size, config.shared_expert_ffn_hidden_size, activation=config.activation,
@@ -261,7 +261,8 @@ class MoELayer(nn.Module):
         local = self.split_tokens(x)
         probs, routing_map, spare_homes = self.offload(*self.route(local))
         named: List[Tuple[str, Tensor]] = []
-        meta, meta_names = None, ()
+        meta: Optional[DispatchMetadata] = None
+        meta_names: Tuple[str, ...] = ()
         if stop == "route":
             named += [("local", local), ("probs", probs), ("routing_map", routing_map)]
             if spare_homes is not None:
@@ -270,7 +271,8 @@ class MoELayer(nn.Module):
             tokens, row_probs = self.preprocess(local.reshape(-1, hidden_size), probs, routing_map, spare_homes)
             tensors = self.dispatcher.meta.tensors()
             meta_names = tuple(tensors)
-            meta = dataclasses.replace(self.dispatcher.meta, **{n: None for n in meta_names})
+            cleared: Dict[str, Any] = {n: None for n in meta_names}
+            meta = dataclasses.replace(self.dispatcher.meta, **cleared)
             named += [("tokens", tokens), ("row_probs", row_probs)] + [(f"meta.{n}", t) for n, t in tensors.items()]
         if shared is not None:
             named.append(("shared", shared))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,10 @@ class TopKRouter(nn.Module):
     rank's tokens (by probability or position); ``pad_to_capacity`` makes it exactly that many,
     so the dispatch has static shapes.
     """
+
+    # buffers with enable_expert_bias, else None
+    expert_bias: Optional[Tensor]
+    local_tokens_per_expert: Optional[Tensor]
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score_function: str = "softmax",
                  pre_softmax: bool = False, num_groups: Optional[int] = None, group_topk: Optional[int] = None,
@@ -123,9 +127,9 @@ class TopKRouter(nn.Module):
         if self.training and torch.is_grad_enabled() and self.local_tokens_per_expert is not None:
             self.local_tokens_per_expert += routing_map.sum(dim=0)   # the router's choice, before dropping
         aux = self._aux_loss(x, logits, routing_map)
-        if self.capacity_factor is not None:
-            probs, routing_map = apply_capacity(probs, routing_map, self.capacity(tokens.shape[0]),
-                                                self.drop_policy, self.pad_to_capacity)
+        capacity = self.capacity(tokens.shape[0])   # None: dropless
+        if capacity is not None:
+            probs, routing_map = apply_capacity(probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity)
         if aux is not None and aux.requires_grad:
             probs = AttachAuxLoss.apply(probs, aux, self._aux_gradient_scale(tokens.shape[0]))
         return probs, routing_map
@@ -153,7 +157,7 @@ class TopKRouter(nn.Module):
         if self.z_loss_coeff > 0:
             losses["z_loss"] = z_loss(logits, self.z_loss_coeff, group)
         self.aux_losses = {name: value.detach() for name, value in losses.items()}
-        return sum(losses.values()) if losses else None
+        return cast(Tensor, sum(losses.values())) if losses else None
 
     @torch.no_grad()
     def update_expert_bias(self, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -177,19 +181,20 @@ def update_expert_biases(module: Union[nn.Module, Iterable[TopKRouter]],
 
     Call after the optimizer step. ``group`` defaults to the active state's tp-dp-cp group.
     """
-    routers = list(module.modules()) if isinstance(module, nn.Module) else list(module)
-    routers = [r for r in routers if isinstance(r, TopKRouter) and r.expert_bias is not None]
+    candidates = list(module.modules()) if isinstance(module, nn.Module) else list(module)
+    routers = [r for r in candidates if isinstance(r, TopKRouter) and r.expert_bias is not None]
     if not routers:
         return
     if group is None:
         from ..parallel import get_parallel_state, has_parallel_state
 
         group = get_parallel_state().group("tp-dp-cp") if has_parallel_state() else None
-    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    counts = torch.stack([cast(Tensor, r.local_tokens_per_expert) for r in routers])   # registered with expert_bias
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     direction = torch.sign(counts.mean(dim=1, keepdim=True) - counts)
     for router, step in zip(routers, direction):   # the rate as a kernel argument: no host-to-device copy
+        assert router.expert_bias is not None and router.local_tokens_per_expert is not None
         router.expert_bias.add_(step, alpha=router.expert_bias_update_rate)
         router.local_tokens_per_expert.zero_()
 
@@ -198,7 +203,7 @@ def _routers(module: nn.Module) -> List[TopKRouter]:
     return [m for m in module.modules() if isinstance(m, TopKRouter)]
 
 
-def set_aux_loss_scale(module: Union[nn.Module, Iterable[nn.Module]], scale: float, per_token: bool = False) -> None:
+def set_aux_loss_scale(module: Union[nn.Module, Iterable[TopKRouter]], scale: float, per_token: bool = False) -> None:
     """Set the gradient scale of every router's balancing losses in ``module`` (or of the given routers:
     a training loop that sets it every step finds them once).
 

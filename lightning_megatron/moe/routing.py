@@ -26,6 +26,7 @@ def check_group_limits(num_experts: int, topk: int, num_groups: Optional[int],
                          f"got num_groups={num_groups}, group_topk={group_topk}.")
     if num_groups is None:
         return
+    assert group_topk is not None   # given together with num_groups (checked above)
     if num_groups < 1 or num_experts % num_groups:
         raise ValueError(f"num_experts={num_experts} must be divisible by num_groups={num_groups}; "
                          "choose num_groups among the divisors of num_experts.")
@@ -57,6 +58,7 @@ def group_limited_topk(scores: Tensor, topk: int, num_groups: int, group_topk: i
 
 def _select(selection: Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> Tensor:
     if num_groups is not None:
+        assert group_topk is not None   # check_group_limits: given together with num_groups
         return group_limited_topk(selection, topk, num_groups, group_topk)[1]
     return selection.topk(topk, dim=-1).indices
 

@@ -46,6 +46,7 @@ class _WithSpareSlots(torch.autograd.Function):
         blocks = torch.cat([torch.where(mine.view((-1,) + (1,) * (w.dim() - 1)), w.index_select(0, local_index),
                                         w.new_zeros(())).flatten(1) for w in weights], dim=1)     # [S, n]
         if num_ranks > 1:
+            assert group is not None   # group_size(None) is 1
             blocks = _a2a(blocks, group, [k] * num_ranks, [k] * num_ranks)     # k blocks to/from every rank
         spare = blocks.view(num_ranks, k, -1).sum(dim=0)                         # one block non-zero per slot
         sizes = [w[0].numel() for w in weights]

@@ -246,12 +246,16 @@ def _scatter(src: Tensor, token_rows: Tensor, num_out: int, slots: Optional[Tens
     src = src.contiguous()
     dot = rows is not None
     out = torch.empty((num_out, hidden), dtype=out_dtype, device=src.device)
-    grad_probs = torch.empty(num_out, dtype=probs.dtype, device=src.device) if dot else None
+    grad_probs: Optional[Tensor] = None
+    if rows is not None:
+        assert probs is not None   # the gradient of the probabilities that scaled the rows
+        grad_probs = torch.empty(num_out, dtype=probs.dtype, device=src.device)
     count = slots is not None
     kb, bh, warps = _tiles(width, count, hidden, num_out, num_tokens)
     grid, span = ((num_tokens, 1), hidden) if dot else ((num_tokens, triton.cdiv(hidden, bh)), bh)
     _scatter_kernel[grid](src, token_rows, probs if probs is not None else out,
-                          rows.contiguous() if dot else out, out, grad_probs if dot else out, hidden, width, span,
+                          rows.contiguous() if rows is not None else out, out, grad_probs if dot else out,
+                          hidden, width, span,
                           HAS_PROBS=probs is not None, DOT=dot, COUNT=count, KB=kb, BW=_pow2(width), BH=bh,
                           num_warps=warps)
     if count:

@@ -20,13 +20,13 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
 
 def check_rank(name: str, value: object, size_name: str, size: int) -> int:
     """Return ``value`` if it is a valid index into a group of ``size``."""
-    check_int(name, value, minimum=0)
-    if value >= size:  # type: ignore[operator]
+    value = check_int(name, value, minimum=0)
+    if value >= size:
         raise ParallelConfigError(
             f"{name}={value} is out of range for {size_name}={size}; "
             f"valid values are 0..{size - 1}."
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
 def nearest(ok: Callable[[int], bool], around: int, lo: int, hi: int,

@@ -59,8 +59,10 @@ class ParallelState:
         self.virtual_pipeline_size = virtual_pipeline_size
         self._ranks: Dict[str, List[int]] = {}
         self._groups: Dict[str, dist.ProcessGroup] = {}
-        self._created: Dict[Tuple[Any, ...], dist.ProcessGroup] = {}
-        kwargs = {}
+        # rank tuple -> what new_group returned: a ProcessGroup, or torch's NON_GROUP_MEMBER sentinel (an int)
+        # for groups this rank is not in; None once destroyed
+        self._created: Optional[Dict[Tuple[Any, ...], Any]] = {}
+        kwargs: Dict[str, Any] = {}
         if backend is not None:
             kwargs["backend"] = backend
         if timeout is not None:

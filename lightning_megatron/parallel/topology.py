@@ -191,9 +191,8 @@ class ParallelLayout:
         world = check_size("world_size", self.world_size)
         for name in ("tp", "pp", "cp", "ep"):
             check_size(name, getattr(self, name))
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp)
-        check_size("etp", self.etp)
+        etp = check_size("etp", self.tp if self.etp is None else self.etp)
+        object.__setattr__(self, "etp", etp)
         axes = parse_order(self.order)
         object.__setattr__(self, "order", "-".join(axes))
 
@@ -203,15 +202,15 @@ class ParallelLayout:
                 world, (("tensor_model_parallel_size", "tp", self.tp), ("context_parallel_size", "cp", self.cp),
                         ("pipeline_model_parallel_size", "pp", self.pp)),
                 "the data-parallel size, world_size / (tp × cp × pp), must be a whole number"))
-        expert = self.etp * self.ep * self.pp
+        expert = etp * self.ep * self.pp
         if world % expert:
             raise ParallelConfigError(_world_size_message(
-                world, (("expert_tensor_parallel_size", "etp", self.etp), ("expert_model_parallel_size", "ep", self.ep),
+                world, (("expert_tensor_parallel_size", "etp", etp), ("expert_model_parallel_size", "ep", self.ep),
                         ("pipeline_model_parallel_size", "pp", self.pp)),
                 "the expert data-parallel size, world_size / (etp × ep × pp), must be a whole number; "
                 "expert_tensor_parallel_size (etp) defaults to tensor_model_parallel_size (tp)"))
         for axis, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp),
-                           ("ep", self.ep), ("tp", self.etp), ("dp", self.edp)):
+                           ("ep", self.ep), ("tp", etp), ("dp", self.edp)):
             if size > 1 and axis not in axes:
                 raise ParallelConfigError(
                     f"order {self.order!r} lacks {axis!r} but that axis has size {size}; add it, "
@@ -233,8 +232,14 @@ class ParallelLayout:
         return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
+    def _etp(self) -> int:
+        """``etp`` as an int: ``__post_init__`` replaced a None with ``tp``."""
+        assert self.etp is not None
+        return self.etp
+
+    @property
     def edp(self) -> int:
-        return self.world_size // (self.etp * self.ep * self.pp)
+        return self.world_size // (self._etp * self.ep * self.pp)
 
     @cached_property
     def dense_generator(self) -> RankGenerator:
@@ -242,7 +247,7 @@ class ParallelLayout:
 
     @cached_property
     def expert_generator(self) -> RankGenerator:
-        return RankGenerator(tp=self.etp, ep=self.ep, dp=self.edp, pp=self.pp, cp=1, order=self.order)
+        return RankGenerator(tp=self._etp, ep=self.ep, dp=self.edp, pp=self.pp, cp=1, order=self.order)
 
     # -- groups --------------------------------------------------------------------------------
     def groups(self, name: str) -> List[List[int]]:

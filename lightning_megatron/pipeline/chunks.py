@@ -35,14 +35,14 @@ class VirtualChunks(nn.Module):
 
     @property
     def pre_process(self) -> bool:
-        return self.current.pre_process
+        return bool(self.current.pre_process)
 
     @property
     def post_process(self) -> bool:
-        return self.current.post_process
+        return bool(self.current.post_process)
 
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
-        self.current.set_input_tensor(tensor)
+        self.current.set_input_tensor(tensor)  # type: ignore[operator]  # Module.__getattr__ hides the method
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.current(*args, **kwargs)

@@ -36,7 +36,7 @@ class CommRound(NamedTuple):
     (activation from the previous stage) / backward input (gradient from the next stage) arrives.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, which no caller uses
     step: Optional[ScheduleStep]
     send_next: bool
     send_prev: bool
@@ -81,6 +81,7 @@ def _plan(m: int, pp: int, chunks: int, g: int,
     position = [0] * pp
     rounds: List[List[CommRound]] = [[] for _ in range(pp)]
     index = 0
+    step: Optional[ScheduleStep]
     while any(position[r] < len(steps[r]) for r in range(pp)):
         ran: List[Optional[ScheduleStep]] = [None] * pp
         for r in range(pp):

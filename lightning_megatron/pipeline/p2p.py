@@ -25,6 +25,12 @@ import torch.distributed as dist
 MAX_NDIM = 8  # variable-shape mode sends shapes as a fixed-size header: ndim, then the dims
 
 
+def _received(tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    """What ``communicate`` returns for a direction it was asked to receive from: never None."""
+    assert tensor is not None
+    return tensor
+
+
 class PipelineP2P:
     """Sends and receives activations/gradients with the previous and next pipeline stage.
 
@@ -93,19 +99,19 @@ class PipelineP2P:
         self.communicate(send_next=output)
 
     def recv_forward(self) -> torch.Tensor:
-        return self.communicate(recv_prev=True)[0]
+        return _received(self.communicate(recv_prev=True)[0])
 
     def send_backward(self, input_grad: torch.Tensor) -> None:
         self.communicate(send_prev=input_grad)
 
     def recv_backward(self) -> torch.Tensor:
-        return self.communicate(recv_next=True)[1]
+        return _received(self.communicate(recv_next=True)[1])
 
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor:
-        return self.communicate(send_next=output, recv_next=True)[1]
+        return _received(self.communicate(send_next=output, recv_next=True)[1])
 
     def send_backward_recv_forward(self, input_grad: torch.Tensor) -> torch.Tensor:
-        return self.communicate(send_prev=input_grad, recv_prev=True)[0]
+        return _received(self.communicate(send_prev=input_grad, recv_prev=True)[0])
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_sent(self, name: str, tensor: torch.Tensor) -> None:
@@ -122,6 +128,7 @@ class PipelineP2P:
                 raise ValueError(f"PipelineP2P.{name}: {tensor.dim()} dims exceed the {MAX_NDIM} "
                                  f"that variable_seq_lengths supports.")
         elif tensor.shape != self.tensor_shape:
+            assert self.tensor_shape is not None  # __init__: given unless variable_seq_lengths
             raise ValueError(
                 f"PipelineP2P.{name}: tensor has shape {tuple(tensor.shape)} but "
                 f"tensor_shape={tuple(self.tensor_shape)}; fix tensor_shape (with sequence "

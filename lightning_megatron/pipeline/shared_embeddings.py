@@ -49,7 +49,7 @@ def allreduce_shared_embedding_grads(model_chunks: Modules,
     grads = []
     for param in params:
         if getattr(param, "main_grad", None) is not None:
-            grads.append(param.main_grad)
+            grads.append(param.main_grad)  # type: ignore[attr-defined]  # runtime attribute
         else:
             if param.grad is None:  # unused on this stage this step: contribute zeros
                 param.grad = torch.zeros_like(param)

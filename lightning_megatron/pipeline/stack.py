@@ -44,6 +44,7 @@ class PipelineStack(nn.Module):
                 raise RuntimeError("PipelineStack on a later stage needs set_input_tensor(...) before forward; "
                                    "the pipeline executor does this.")
             x = self.input_tensor
+        assert x is not None, "PipelineStack on the first stage needs its input x"
         for layer in self.layers:
             x = layer(x)
         return x

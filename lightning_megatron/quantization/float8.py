@@ -74,6 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 import types
 import warnings
 from dataclasses import dataclass
@@ -249,8 +250,10 @@ def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[t
         return float8_linear
     _patch_inductor_for_float8(config)
     name = f"float8_linear_{recipe}_" + "_".join(map(str, shape or ()))
-    code = float8_linear.__code__.replace(co_name=name, co_qualname=name) if hasattr(
-        float8_linear.__code__, "co_qualname") else float8_linear.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):   # code objects have a qualified name since 3.11
+        code = float8_linear.__code__.replace(co_name=name, co_qualname=name)
+    else:
+        code = float8_linear.__code__.replace(co_name=name)
     fn = types.FunctionType(code, float8_linear.__globals__, name, None, float8_linear.__closure__)
     return torch.compile(fn, dynamic=False)
 

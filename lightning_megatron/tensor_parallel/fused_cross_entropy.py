@@ -215,14 +215,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_logits = _chunk_grad(logits, local_target[lo:hi], lse[lo:hi], scale[lo:hi],
                                           ctx.label_smoothing, ctx.vocab_size)
                 del logits
-                if need_hidden:
+                if grad_hidden is not None:   # need_hidden
                     torch.mm(grad_logits, w, out=grad_hidden[lo:hi])
-                if need_weight:   # the GEMM adds into the weight gradient (beta = 1): no temporary
+                if grad_weight is not None:   # the GEMM adds into the weight gradient (beta = 1): no temporary
                     grad_weight[:real].addmm_(grad_logits.t(), hidden[lo:hi])
-                if need_bias:
+                if bias_sum is not None:      # need_bias
                     bias_sum += grad_logits.sum(dim=0, dtype=torch.float32)
                 del grad_logits
-        if need_bias:
+        if grad_bias is not None and bias_sum is not None:   # need_bias
             grad_bias[:real] = bias_sum
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 

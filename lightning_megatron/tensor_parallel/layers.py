@@ -184,7 +184,7 @@ class RowParallelLinear(_TensorParallelLinear):
                           self.tp_size, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
-            self.bias.sequence_parallel = self.sequence_parallel
+            self.bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]  # runtime attribute
         else:
             self.register_parameter("bias", None)
 
@@ -240,7 +240,8 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                dtype=params_dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-        self.weight.vocab_size = self.vocab_size  # rows past it are tp-dependent padding (checkpoints drop them)
+        # rows past it are tp-dependent padding (checkpoints drop them)
+        self.weight.vocab_size = self.vocab_size  # type: ignore[attr-defined]  # runtime attribute
         if perform_initialization:
             init_sharded_(self.weight, (num_embeddings, embedding_dim), 0, init_method, self.tp_rank,
                           self.tp_size)

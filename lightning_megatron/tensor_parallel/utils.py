@@ -51,9 +51,9 @@ def vocab_range(padded_vocab_size: int, rank: int, world_size: int) -> Tuple[int
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int,
                                          stride: int = 1) -> None:
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = dim
-    param.partition_stride = stride
+    param.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]  # runtime attribute
+    param.partition_dim = dim  # type: ignore[attr-defined]  # runtime attribute
+    param.partition_stride = stride  # type: ignore[attr-defined]  # runtime attribute
 
 
 def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:

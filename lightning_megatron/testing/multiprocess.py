@@ -146,8 +146,9 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict
     with tempfile.TemporaryDirectory(prefix="lm_ranks_") as tmp:
         init_file = os.path.join(tmp, "store")
         port = _free_port()
+        # typeshed's BaseContext, what get_context(str) returns, lacks Process; every real context has it
         procs = [
-            ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
+            ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,  # type: ignore[attr-defined]
                         args=(rank, world_size, init_file, port, backend, timeout,
                               init_process_group, fn, args, kwargs, results))
             for rank in range(world_size)

@@ -26,7 +26,7 @@ kernels (FlexAttention on CUDA, boolean-mask SDPA elsewhere and with dropout).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +74,9 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.layer_number = layer_number
         width = config.num_attention_heads * config.head_dim
-        column = dict(bias=config.add_bias_linear, init_method=init_method_normal(config.init_method_std),
-                      sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        column: Dict[str, Any] = dict(
+            bias=config.add_bias_linear, init_method=init_method_normal(config.init_method_std),
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         groups = config.query_groups
         if config.grouped_query_attention:
             self.q = ColumnParallelLinear(config.hidden_size, width, **column)
@@ -105,7 +106,8 @@ class SelfAttention(nn.Module):
             x = copy_to_tensor_parallel_region(hidden, group)
         # the layers' own matmul (F.linear, or float8 where enabled) on the shared input copy
         q = _local_linear(self.q, x, self.q.weight, self.q.bias)
-        weight, bias = self.kv.weight, self.kv.bias
+        weight: torch.Tensor = self.kv.weight
+        bias: Optional[torch.Tensor] = self.kv.bias
         if self.kv_sharing_ranks > 1:   # all-gather the small kv weight, keep this rank's group (see the docstring)
             rows = 2 * self.head_dim
             first = self.q.tp_rank // self.kv_sharing_ranks * rows

@@ -168,6 +168,7 @@ class TransformerConfig:
         check_splits_over_tensor_parallel("num_attention_heads", self.num_attention_heads, tp_size, HEADS_SPLIT)
         check_query_groups(self, tp_size)
         if self.has_dense_mlp:
+            assert self.ffn_hidden_size is not None   # __post_init__ filled it
             check_splits_over_tensor_parallel("ffn_hidden_size", self.ffn_hidden_size, tp_size, FFN_SPLIT)
 
     @property

@@ -112,6 +112,7 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     if not causal:
         mask = None if keep is None else keep[:, None, None, :]
         if q_documents is not None:
+            assert k_documents is not None   # given together
             same = chunk_document_mask(q_documents, k_documents)
             mask = same if mask is None else mask & same
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
@@ -127,6 +128,7 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
             if keep is not None:
                 mask = keep[:, None, None, :end] & mask
             if q_documents is not None:
+                assert k_documents is not None   # given together
                 mask = chunk_document_mask(q_documents[:, slot * chunk:(slot + 1) * chunk], k_documents[:, :end]) & mask
         outputs.append(F.scaled_dot_product_attention(
             q[..., slot * chunk:(slot + 1) * chunk, :], k_all[..., :end, :], v_all[..., :end, :],

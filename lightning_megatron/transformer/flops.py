@@ -63,9 +63,11 @@ def forward_flops_per_sequence(config: TransformerConfig, seq_length: int, vocab
     attention = projections + (2 if causal else 4) * width * s * s
     moe_layers = _num_moe_layers(config)
     dense_layers = config.num_layers - moe_layers
+    assert config.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
     per_token = dense_layers * _mlp_forward_flops(h, config.ffn_hidden_size, config.activation)
     if moe_layers:
         moe = config.moe
+        assert moe is not None   # _num_moe_layers counts none without it
         routed = moe.topk * _mlp_forward_flops(h, moe.ffn_hidden_size, moe.activation)
         shared = (_mlp_forward_flops(h, moe.shared_expert_ffn_hidden_size, moe.activation)
                   if moe.shared_expert_ffn_hidden_size else 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from .documents import DocumentMask
 from .graphable import GraphPiece
 from .mlp import MLP
 from .norm import build_norm
+
+if TYPE_CHECKING:
+    from ..moe.layer import MoELayer
 
 
 def build_mlp(config: TransformerConfig, layer_number: int) -> nn.Module:
@@ -127,8 +130,8 @@ class TransformerLayer(nn.Module):
     def graph_pieces(self, scope: FrozenSet[str]) -> List[GraphPiece]:
         """What ``cuda_graph_scope`` captures of this layer (see ``cuda_graphs/scopes.py``)."""
         config = self.attention.config    # the block's: it forks the RNG and recomputes by this config
-        static = dict(arg_names=("hidden", "attention_mask"), sequence_parallel=config.sequence_parallel,
-                      recomputed=config.recompute_layers)
+        static: Dict[str, Any] = dict(arg_names=("hidden", "attention_mask"),
+                                      sequence_parallel=config.sequence_parallel, recomputed=config.recompute_layers)
         if scope == {"layer"}:
             return [GraphPiece("forward", self._forward, self._forward, [self], **static)]
         moe_stop = "preprocess" if "moe_preprocess" in scope else "route" if "moe_router" in scope else None
@@ -143,7 +146,7 @@ class TransformerLayer(nn.Module):
                                      name="mlp", segments=(1, 1), **{**static, "arg_names": ("hidden",)}))
         return pieces
 
-    def _moe(self) -> Optional[nn.Module]:
+    def _moe(self) -> Optional[MoELayer]:
         from ..moe.layer import MoELayer
 
         return self.mlp if isinstance(self.mlp, MoELayer) else None
@@ -154,7 +157,8 @@ class TransformerLayer(nn.Module):
         if not self.pre_norm:
             raise ValueError(f"cuda_graph_scope {sorted(scope)} on MoE layer {self.layer_number}: MoE partial "
                              f"capture needs layernorm_order='pre' (the router reads the normalized residual stream).")
-        moe = self.mlp
+        moe = self._moe()
+        assert moe is not None   # graph_pieces asks only MoE layers
         with_attention = "attn" in scope
 
         def head(hidden: torch.Tensor, mask: Optional[torch.Tensor] = None) -> Tuple[Tuple[torch.Tensor, ...], Any]:

@@ -19,6 +19,7 @@ from .config import FFN_SPLIT, TransformerConfig, check_splits_over_tensor_paral
 class MLP(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        assert config.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
         check_splits_over_tensor_parallel("ffn_hidden_size", config.ffn_hidden_size, get_parallel_state().tp_size,
                                           FFN_SPLIT)
         self.activation = config.activation

@@ -9,6 +9,7 @@ from .config import TransformerConfig
 
 def build_norm(config: TransformerConfig, hidden_size: int | None = None) -> nn.Module:
     size = hidden_size or config.hidden_size
+    norm: nn.Module
     if config.normalization == "RMSNorm":
         norm = nn.RMSNorm(size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
     else:
@@ -16,5 +17,5 @@ def build_norm(config: TransformerConfig, hidden_size: int | None = None) -> nn.
     if config.sequence_parallel:
         # each tp rank normalises its own slice of the sequence: its grads are partial sums
         for param in norm.parameters():
-            param.sequence_parallel = True
+            param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute
     return norm

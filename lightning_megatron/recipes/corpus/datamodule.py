@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Union
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from .datasets import BlendedDataset, PackedDocuments, TokenWindows
 from .token_file import TokenFile
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
 
 
 class PretrainingData(L.LightningDataModule):
@@ -26,6 +29,10 @@ class PretrainingData(L.LightningDataModule):
             ``SAMPLE/valid``), so a recipe runs from nothing.
         batch_size: per data-parallel rank, as for any Lightning loader under the megatron strategy.
     """
+
+    if TYPE_CHECKING:   # what save_hyperparameters() stores: keys read as attributes (Lightning types it loosely)
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def __init__(self, train_prefixes: List[str], valid_prefixes: Optional[List[str]] = None,
                  train_weights: Optional[List[float]] = None, seq_length: int = 128, batch_size: int = 8,
@@ -89,10 +96,11 @@ class PretrainingData(L.LightningDataModule):
         return trainer.max_steps * h.batch_size * replicas * trainer.accumulate_grad_batches
 
     def train_dataloader(self) -> DataLoader:
+        assert self._train is not None   # setup("fit") built it
         return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
                           num_workers=self.hparams.num_workers)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> Union[DataLoader, List[DataLoader]]:
         if self._valid is None:
             return []
         return DataLoader(self._valid, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,

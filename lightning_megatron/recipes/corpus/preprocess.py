@@ -42,6 +42,7 @@ def load_tokenizer(path: str) -> Tuple[Any, int]:
 
 def eod_id(tokenizer: Any, token: Optional[str]) -> int:
     """The id that ends every document: ``token`` if given, else the tokenizer's end-of-sequence token."""
+    candidates: Tuple[str, ...]
     if token is None:
         if hasattr(tokenizer, "eos_token_id") and tokenizer.eos_token_id is not None:
             return int(tokenizer.eos_token_id)

@@ -25,7 +25,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
 
 
-def write_token_file(prefix: PathLike, documents: Iterable[Sequence[int]], vocab_size: int,
+def write_token_file(prefix: PathLike, documents: Iterable[Union[Sequence[int], np.ndarray]], vocab_size: int,
                      metadata: Optional[Dict[str, Any]] = None) -> "TokenFile":
     """Write ``documents`` (lists of ids, each ending with its end-of-document id if wanted)."""
     paths = _paths(prefix)

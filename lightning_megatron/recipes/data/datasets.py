@@ -8,7 +8,7 @@ tensor-parallel peers read the same samples, so they pad alike).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, TypedDict
 
 import numpy as np
 import torch
@@ -21,7 +21,15 @@ from .tokenizer import WordPieceTokenizer
 
 IGNORE_LABEL = -100   # unlabeled rows (MNLI test files)
 
-Sample = Dict[str, object]
+
+
+class Sample(TypedDict):
+    """One example: its sequences (one pair for MNLI, one per choice for RACE), the length of each one's
+    first segment (``[CLS] a [SEP]``) and the label."""
+
+    sequences: List[np.ndarray]
+    first_lengths: List[int]
+    label: int
 
 
 def _check_length(max_length: int, least: int, name: str = "max_seq_length") -> None:

@@ -82,6 +82,7 @@ def _texts(premise: object, hypothesis: object, path: str, line: int) -> tuple:
     for name, text in (("sentence1", premise), ("sentence2", hypothesis)):
         if not isinstance(text, str) or not text.strip():
             raise DataFormatError(path, line, f"{name} is empty or not text ({text!r}).")
+    assert isinstance(premise, str) and isinstance(hypothesis, str)   # checked above
     return premise.strip(), hypothesis.strip()
 
 

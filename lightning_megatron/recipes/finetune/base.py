@@ -8,7 +8,7 @@ validation dataloader. After each validation, rank 0 prints the dev accuracies.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, cast
 
 import lightning as L
 import torch
@@ -22,6 +22,12 @@ from ...transformer.flops import linear_training_flops, training_flops_per_seque
 from .model import BertShape, build_task_model
 from .optim import adamw_with_warmup
 
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
+    from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+
+    from ...models.bert import BertModel
+
 
 class BertFinetuneModule(L.LightningModule):
     """Subclasses set ``task`` (model class), ``num_classes``, ``eval_names`` (one per validation
@@ -30,6 +36,10 @@ class BertFinetuneModule(L.LightningModule):
     task: str = ""
     num_classes: int = 0
     eval_names: Tuple[str, ...] = ()
+
+    if TYPE_CHECKING:   # what save_hyperparameters() stores: keys read as attributes (Lightning types it loosely)
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def __init__(self, pretrained: Optional[str] = None, random_init: Optional[BertShape] = None, lr: float = 1e-5,
                  weight_decay: float = 0.1, warmup_fraction: float = 0.065,
@@ -57,6 +67,7 @@ class BertFinetuneModule(L.LightningModule):
             getattr(datamodule, "vocab_size", None), self.hparams.config_overrides, **self.task_kwargs())
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        assert self.model is not None   # configure_model built it
         return self.model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
 
     def training_flops(self, batch: Dict[str, torch.Tensor]) -> Optional[int]:
@@ -64,7 +75,7 @@ class BertFinetuneModule(L.LightningModule):
         padded sequences as computed), for ``lightning_megatron.adapter.callbacks.MegatronThroughputMonitor``."""
         if self.model is None:
             return None
-        config = self.model.bert.config
+        config = cast("BertModel", self.model.bert).config   # every task model holds its encoder as .bert
         ids = batch["input_ids"]                      # [b, s], or [b, choices, s] (each choice one sequence)
         seq = ids.shape[-1]
         sequences = ids.numel() // seq
@@ -87,7 +98,7 @@ class BertFinetuneModule(L.LightningModule):
         name = self.eval_names[dataloader_idx]
         logits = self(batch)
         labels = batch["labels"]
-        accuracy = self.val_acc[name]
+        accuracy = cast(MulticlassAccuracy, self.val_acc[name])
         accuracy(logits.argmax(-1), labels)
         size = labels.numel()
         self.log(f"val/loss_{name}", self._loss(logits, labels), add_dataloader_idx=False, batch_size=size,
@@ -107,7 +118,7 @@ class BertFinetuneModule(L.LightningModule):
             shown = ", ".join(f"{name} {value:.4f}" for name, value in accuracies.items())
             self.print(f"dev accuracy (epoch {self.current_epoch}, step {self.global_step}): {shown}")
 
-    def configure_optimizers(self) -> Dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         h = self.hparams
         return adamw_with_warmup(self, h.lr, h.weight_decay, h.adam_betas, h.adam_eps, h.warmup_fraction,
                                  int(self.trainer.estimated_stepping_batches))

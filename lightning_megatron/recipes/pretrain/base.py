@@ -4,7 +4,7 @@ pipeline chunks, and its FLOPs per sequence length counted once (the throughput 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import lightning as L
 import torch
@@ -13,12 +13,19 @@ from ...transformer.flops import training_flops_per_sequence
 from ...pipeline import VirtualChunks
 from ...transformer import TransformerConfig
 
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
+
 
 class PretrainingModule(L.LightningModule, ABC):
     """Subclasses name ``model_class`` (``GPTModel`` or a subclass) and build ``transformer_config()`` from their
     hyper-parameters, which include ``vocab_size``, ``seq_length`` and ``cross_entropy_chunk_size``."""
 
     model_class: type
+
+    if TYPE_CHECKING:   # what save_hyperparameters() stores: keys read as attributes (Lightning types it loosely)
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def __init__(self) -> None:
         super().__init__()

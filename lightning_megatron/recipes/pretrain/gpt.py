@@ -7,7 +7,7 @@ module runs with any TP/PP/VPP/DP layout.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import lightning as L
 import torch
@@ -17,6 +17,9 @@ from ...models import GPTModel
 from ...moe import MoEConfig
 from ...transformer import TransformerConfig
 from .base import PretrainingModule
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
 
 
 class GPTPretraining(PretrainingModule):
@@ -66,7 +69,7 @@ class GPTPretraining(PretrainingModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def _moe_config(moe: Optional[object]) -> Optional[MoEConfig]:
+def _moe_config(moe: Union[None, MoEConfig, Dict[str, Any]]) -> Optional[MoEConfig]:
     """LightningCLI records init arguments as given (``moe`` as a mapping); the model needs the dataclass."""
     return MoEConfig(**moe) if isinstance(moe, dict) else moe
 
@@ -87,6 +90,10 @@ class _Pattern(Dataset):
 
 class PatternTokens(L.LightningDataModule):
     """Arithmetic token sequences (start + k·t mod V): learnable in a few hundred steps, no download."""
+
+    if TYPE_CHECKING:   # what save_hyperparameters() stores: keys read as attributes (Lightning types it loosely)
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def __init__(self, vocab_size: int = 128, seq_length: int = 32, batch_size: int = 8, train_size: int = 2048,
                  val_size: int = 128, seed: int = 0) -> None:
