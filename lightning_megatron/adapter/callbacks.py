@@ -144,7 +144,7 @@ class MegatronThroughputMonitor(Callback):
 
     @override
     def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
-        self._window = self.window or (trainer.log_every_n_steps or None)
+        self._window = self.window or (getattr(trainer, "log_every_n_steps", None) or None)
         self._peak = self.peak_flops or peak_flops_per_device(trainer.strategy.root_device, str(trainer.precision))
         if self._peak is None and trainer.strategy.root_device.type == "cuda":
             rank_zero_info(f"MegatronThroughputMonitor: no peak FLOP/s known for "
@@ -207,6 +207,7 @@ class MegatronThroughputMonitor(Callback):
         return time.perf_counter()
 
     def _log(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        assert self._t0 is not None   # the clock started at the first step
         now = self._now(trainer)
         device = trainer.strategy.root_device
         memory = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0

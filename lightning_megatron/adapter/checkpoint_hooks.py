@@ -21,7 +21,7 @@ from ..parallel import ParallelState
 from ..tensor_parallel.random import get_rng_tracker
 
 
-class CheckpointHooks(ParallelStrategy):
+class ShardedCheckpointHooks(ParallelStrategy):
     """Mixed into ``MegatronStrategy``: reads ``gradients`` (where the optimizer state lives), the process
     groups (``_state()``) and, after fit, the optimizer states gathered before the groups went."""
 
@@ -78,6 +78,7 @@ class CheckpointHooks(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """A sharded folder (from any layout), read into place; optimizer states only when fitting."""
+        assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         return load_trainer_checkpoint(str(self.broadcast(str(checkpoint_path))), [self.lightning_module],

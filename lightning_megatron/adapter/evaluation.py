@@ -49,4 +49,5 @@ class EvaluationHooks(ParallelStrategy):
     @override
     def on_predict_end(self) -> None:
         """Predictions of every data-parallel rank, put back in dataset order on every rank."""
+        assert self.lightning_module is not None
         order_predictions(self.lightning_module.trainer, self._state())

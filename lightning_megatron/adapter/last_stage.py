@@ -10,7 +10,7 @@ Lightning does around a backward: the loss divided by ``accumulate_grad_batches`
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
 
 import torch
 
@@ -178,7 +178,7 @@ def _concat(outputs: List[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs) if first.dim() else torch.stack(outputs).mean()
     if isinstance(first, Mapping):
-        return type(first)({k: _concat([o[k] for o in outputs]) for k in first})
+        return cast(Any, type(first))({k: _concat([o[k] for o in outputs]) for k in first})
     if isinstance(first, (str, bool, int, float)) and all(o == first for o in outputs):
         return first   # the same plain value from every micro-batch (as equal tensor scalars average to it)
     return outputs

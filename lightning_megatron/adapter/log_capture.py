@@ -116,7 +116,7 @@ def _as_value(name: str, value: Any) -> torch.Tensor:
                              "strategy combines a step's logged values over its micro-batches and pipeline "
                              "stages, so each must be a number or a one-element tensor.")
         return value.detach().float().reshape(())
-    if isinstance(value, numbers.Number):
+    if isinstance(value, numbers.Real):
         return torch.tensor(float(value))
     raise TypeError(f"self.log({name!r}, ...) got a {type(value).__name__}: the megatron strategy combines a "
                     "step's logged values over its micro-batches and pipeline stages, so each must be a number or "

@@ -10,7 +10,7 @@ last stage's does: the epoch value of a macro average or a weighted mean is one 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ def send_metric_states(by_path: Dict[str, Any], changes: List[Change], state: Pa
         return
     src = state.ranks("pp")[-1]
     mine = state.rank == src
-    tensors: Dict[torch.dtype, List[Tuple[Any, str, Optional[torch.Tensor]]]] = {}
+    tensors: Dict[torch.dtype, List[Tuple[Any, str, torch.Tensor]]] = {}
     for path, _, layout, _ in changes:
         metric = by_path[path]
         for name, shape, dtype in layout:
@@ -96,6 +96,7 @@ def send_metric_states(by_path: Dict[str, Any], changes: List[Change], state: Pa
         for position, (name, first) in enumerate(lists):
             current = getattr(metric, name)
             if not mine:
+                assert items is not None   # the list states' new items, broadcast above
                 del current[first:]
                 current.extend(item.to(metric.device) for item in items[index][position])
             sent_lists[name] = (len(current), current[-1] if current else None)

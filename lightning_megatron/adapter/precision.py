@@ -38,8 +38,9 @@ class ParallelGradScaler(torch.amp.GradScaler):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
 
 
-class _WholeModelClipping:
-    """Clip by the norm of the whole parallel model (one reduction over every group that shards it)."""
+class _WholeModelClipping(Precision):
+    """Clip by the norm of the whole parallel model (one reduction over every group that shards it); mixed in
+    before the Lightning plugin it corrects."""
 
     gradients: Optional[GradientState] = None
 
@@ -80,10 +81,10 @@ def parallel_precision(plugin: Precision, gradients: Optional[GradientState]) ->
                          f"{list(SUPPORTED_PRECISION)}.")
     kind = type(plugin)
     if kind is Precision:
-        out: Precision = ParallelPrecision()
+        out: _WholeModelClipping = ParallelPrecision()
     elif kind is HalfPrecision:
         out = ParallelHalfPrecision(precision)
-    elif kind is MixedPrecision:
+    elif isinstance(plugin, MixedPrecision) and kind is MixedPrecision:
         out = ParallelMixedPrecision(precision, plugin.device, scaler=_parallel_scaler(plugin.scaler, plugin.device))
     else:
         raise ValueError(

@@ -63,6 +63,7 @@ class ResumableLoader:
             total = None
         if not done or (total is not None and done >= total):
             return 0   # nothing trained yet, or the saved epoch was complete: this one starts afresh
+        assert resume is not None   # batches were done
         if key is not None and resume.get("epoch") == key:
             return done
         saved = resume.get("epoch")

@@ -45,7 +45,7 @@ from ..parallel.topology import DEFAULT_ORDER
 from ..pipeline.shared_embeddings import check_tied_optimizer_settings
 from ..quantization.float8 import Float8Config, enable_fp8, fp8_config
 from ..transformer.config import model_defaults
-from .checkpoint_hooks import CheckpointHooks
+from .checkpoint_hooks import ShardedCheckpointHooks
 from .evaluation import EvaluationHooks
 from .last_stage import (Metrics, TrainingLastStage, call_hooks, check_automatic_optimization, check_model_kept,
                          check_per_token_accumulation, finish_step)
@@ -54,7 +54,10 @@ from .log_capture import DATA_PARALLEL_GROUP
 from .metric_sync import sync_metrics_over_data_parallel
 from .precision import parallel_precision
 
-class MegatronStrategy(CheckpointHooks, EvaluationHooks, ParallelStrategy):
+_DDP: Any = DDPStrategy   # its methods are borrowed below (typed for a DDPStrategy self)
+
+
+class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy):
     """Tensor (+sequence), pipeline (1F1B / interleaved), data, context and expert parallelism.
 
     Args:
@@ -142,17 +145,16 @@ class MegatronStrategy(CheckpointHooks, EvaluationHooks, ParallelStrategy):
     # -- Lightning plumbing --------------------------------------------------------------------------
 
     # Lightning's own (DDPStrategy's, borrowed rather than inherited: DDPStrategy would wrap the model in DDP)
-    root_device = DDPStrategy.root_device
-    num_processes = DDPStrategy.num_processes
-    process_group_backend = DDPStrategy.process_group_backend
-    set_world_ranks = DDPStrategy.set_world_ranks
-    model_to_device = DDPStrategy.model_to_device
-    determine_ddp_device_ids = DDPStrategy.determine_ddp_device_ids
-    barrier = DDPStrategy.barrier       # on the world group, as Lightning's callbacks expect
-    broadcast = DDPStrategy.broadcast
+    root_device = _DDP.root_device
+    num_processes = _DDP.num_processes
+    process_group_backend = _DDP.process_group_backend
+    set_world_ranks = _DDP.set_world_ranks
+    model_to_device = _DDP.model_to_device
+    determine_ddp_device_ids = _DDP.determine_ddp_device_ids
+    barrier = _DDP.barrier       # on the world group, as Lightning's callbacks expect
+    broadcast = _DDP.broadcast
 
     @property
-    @override
     def is_distributed(self) -> bool:   # Lightning then adds a DistributedSampler (by data-parallel rank)
         return True
 
@@ -170,11 +172,12 @@ class MegatronStrategy(CheckpointHooks, EvaluationHooks, ParallelStrategy):
         if self.cluster_environment.creates_processes_externally or self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        assert self.cluster_environment is not None
         layout = self.parallel.layout(self.num_nodes * self.num_processes)   # pure: the same error on every rank
         reset_seed()
         self.set_world_ranks()
@@ -193,7 +196,7 @@ class MegatronStrategy(CheckpointHooks, EvaluationHooks, ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        assert self.model is not None and self.accelerator is not None
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.precision_plugin = parallel_precision(self.precision_plugin, None)   # checked before any work
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -253,7 +256,8 @@ class MegatronStrategy(CheckpointHooks, EvaluationHooks, ParallelStrategy):
         (divided by ``accumulate_grad_batches``, before loss scaling); ``on_after_backward`` once, when
         the gradients are handed back to Lightning."""
         module, train_step = self.lightning_module, self.train_step
-        assert train_step is not None and self.gradients is not None and self.metrics is not None
+        assert module is not None and train_step is not None
+        assert self.gradients is not None and self.metrics is not None
         accumulate = module.trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
         capture = self.metrics.capture(module, passthrough=self.graph_config.cuda_graph != "full")
@@ -273,7 +277,7 @@ class MegatronStrategy(CheckpointHooks, EvaluationHooks, ParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule already ran every backward inside ``training_step``: hand its gradients back."""
-        assert self.gradients is not None
+        assert self.gradients is not None and self.lightning_module is not None
         self.gradients.expose()
         call_hooks(self.lightning_module.trainer, "on_after_backward")
         return closure_loss

@@ -75,6 +75,7 @@ class GradientState:
         """Sequence-parallel gradients are summed over tp after the reduce-scatter: each rank's shard
         must hold the same elements on every tp peer."""
         state = self.state
+        assert self.buffers is not None
         mine = torch.tensor([self.buffers.signature()], dtype=torch.int64, device=self.device)
         everyone = [torch.empty_like(mine) for _ in range(state.tp_size)]
         dist.all_gather(everyone, mine, group=state.tp_group)

@@ -10,7 +10,7 @@ device. Nothing here knows who logs (Lightning's ``self.log`` is captured in the
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -52,8 +52,10 @@ def combine_microbatches(logged: Sequence[Logged], weights: Sequence[float]) -> 
         used = [w for _, w in entries]
         if op == "mean":
             value = values.mean() if len(set(used)) == 1 else (values * values.new_tensor(used)).sum() / sum(used)
+        elif op == "sum":
+            value = values.sum()
         else:
-            value = {"sum": values.sum, "max": values.amax, "min": values.amin}[op]()
+            value = values.amax() if op == "max" else values.amin()
         out[name] = (value, op)
     return out
 
@@ -123,7 +125,7 @@ def to_host(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         items = {k: to_host(v) for k, v in obj.items()}
         try:
-            return type(obj)(items)
+            return cast(Any, type(obj))(items)
         except TypeError:   # a mapping type not built from a dict (e.g. a defaultdict): a plain dict
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional
+from typing import Any, Iterable, List, Mapping, Optional, cast
 
 import torch
 
@@ -11,6 +11,7 @@ def batch_size_of(batch: Any) -> Optional[int]:
     """Size of dim 0 of the first tensor found in ``batch`` (None when it holds no tensor)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
+    values: Iterable[Any]
     if isinstance(batch, Mapping):
         values = batch.values()
     elif isinstance(batch, (list, tuple)):
@@ -52,7 +53,7 @@ def ragged_last_batch(loader: Any, micro_batch_size: Optional[int]) -> Optional[
     if micro_batch_size is None or not batch_size or getattr(loader, "drop_last", False):
         return None
     try:
-        samples = len(sampler)
+        samples = len(sampler)  # type: ignore[arg-type]   # None or a stream: TypeError, as for IterableDataset
     except TypeError:   # an IterableDataset's stream: no length
         return None
     last = samples % batch_size
@@ -63,7 +64,7 @@ def _take(batch: Any, start: int, end: int, size: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[start:end] if batch.dim() and batch.shape[0] == size else batch
     if isinstance(batch, Mapping):
-        return type(batch)({k: _take(v, start, end, size) for k, v in batch.items()}) if not hasattr(
+        return cast(Any, type(batch))({k: _take(v, start, end, size) for k, v in batch.items()}) if not hasattr(
             batch, "_fields") else batch
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_take(v, start, end, size) for v in batch))

@@ -78,7 +78,8 @@ class StepResult:
     device scalar; ``None`` for forward-only steps); with per-token losses, the reported sums over
     the global token count. ``logs``: ``{name: (value, op)}``, each name the last stage logged, combined
     over micro-batches, stages and context-parallel ranks by its op (device scalars): this data-parallel
-    rank's values (the driver reduces them over dp if it wants the global batch's: Lightning's ``sync_dist``). ``outputs``: the last stage's per-micro-batch outputs of a
+    rank's values (the driver reduces them over dp if it wants the global batch's: Lightning's ``sync_dist``).
+    ``outputs``: the last stage's per-micro-batch outputs of a
     forward-only step (``None`` elsewhere). ``num_tokens``/``grad_scale``: per-token losses only, the
     global token count and the factor the data-parallel-averaged gradients must be multiplied by.
     ``extras``: what ``run``'s ``extras()`` gave on the last stage, on every rank (other stages: on the CPU).
@@ -119,8 +120,9 @@ def _schedule_order(num_microbatches: int, pp_size: int, pp_rank: int, chunks: i
     return tuple(schedule_order(num_microbatches, pp_size, pp_rank, chunks, group_size))
 
 
-def pipeline_roots(module: nn.Module) -> List[nn.Module]:
-    """Outermost modules that take the previous stage's activation (``set_input_tensor``)."""
+def pipeline_roots(module: nn.Module) -> List[Any]:
+    """Outermost modules that take the previous stage's activation (``set_input_tensor``; typed Any: a
+    protocol that ``nn.Module``'s attribute typing cannot express)."""
     roots: List[tuple] = []
     for name, child in module.named_modules():
         if name and callable(getattr(child, "set_input_tensor", None)) and not any(
@@ -257,6 +259,9 @@ class StepEngine:
             if forward_only:
                 results.append(out.output)
                 return torch.zeros(()), None
+            if out.loss is None:
+                raise TypeError("a training step's last stage must return the loss to backpropagate "
+                                "(StageOutput(loss=...) or a (loss, report) tuple); it returned none.")
             report = out.report if out.report is not None else out.loss.detach()
             if self.per_token:
                 results.append(torch.stack([report.detach().float(), _token_count(out.num_tokens, self.device)]))

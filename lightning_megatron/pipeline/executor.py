@@ -29,7 +29,7 @@ from __future__ import annotations
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence,
-                    Tuple, Union)
+                    Tuple, Union, cast)
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,7 @@ def forward_backward(forward_step_fn: ForwardStepFn,
     comm = None
     if pp_size > 1:
         device = device or _device_of(chunks)
+        assert pp_group is not None   # more than one stage: a pipeline group exists
         comm = PipelineP2P(pp_group, tensor_shape, dtype, device, variable_seq_lengths)
         prepare_group_for_batched_p2p(pp_group, comm.device)
     plan = comm_plan(m, pp_size, len(chunks), microbatch_group_size_per_vp_stage,
@@ -144,11 +145,12 @@ def forward_backward(forward_step_fn: ForwardStepFn,
                     send_prev=sent if rnd.send_prev else None,
                     recv_prev=rnd.recv_prev is not None, recv_next=rnd.recv_next is not None)
                 run.received(rnd.recv_prev, from_prev, rnd.recv_next, from_next)
-            if rnd.send_next and not forward_only:
+            if rnd.send_next and not forward_only and sent is not None:
                 deallocate_output_tensor(sent)
     for chunk in chunks:  # do not keep the last received activation alive until the next call
-        if callable(getattr(chunk, "set_input_tensor", None)):
-            chunk.set_input_tensor(None)
+        set_input_tensor = getattr(chunk, "set_input_tensor", None)
+        if callable(set_input_tensor):
+            set_input_tensor(None)
     if finalize_grads is not None and not forward_only:
         finalize_grads()
     return run.output
@@ -184,8 +186,9 @@ class _Run:
         if stage > 0:  # kept for the backward, which sends its gradient back
             inp = self.inputs.pop(key) if self.forward_only else self.inputs[key]
         chunk = self.chunks[chunk_id]
-        if callable(getattr(chunk, "set_input_tensor", None)):
-            chunk.set_input_tensor(inp)
+        set_input_tensor = getattr(chunk, "set_input_tensor", None)
+        if callable(set_input_tensor):
+            set_input_tensor(inp)
         ctx = StepContext(mb, chunk_id, inp, stage == 0, stage == self.last_stage)
         result = self.forward_step_fn(self.data.get(mb, chunk_id), chunk, ctx)
         if stage < self.last_stage:
@@ -214,7 +217,7 @@ class _Run:
         torch.autograd.backward(out, grad_tensors=grad)
         if stage == 0:
             return None
-        if inp.grad is None:
+        if inp is None or inp.grad is None:
             raise RuntimeError(
                 f"chunk {key[0]} (virtual stage {stage}) produced no gradient for its input "
                 f"tensor on micro-batch {key[1]}: forward_step_fn must compute the output from "
@@ -224,8 +227,10 @@ class _Run:
     def received(self, prev_key: Optional[ChunkMicrobatch], from_prev: Optional[torch.Tensor],
                  next_key: Optional[ChunkMicrobatch], from_next: Optional[torch.Tensor]) -> None:
         if prev_key is not None:
+            assert from_prev is not None, "a receive from the previous stage returned nothing"
             self.inputs[prev_key] = from_prev.requires_grad_(not self.forward_only)
         if next_key is not None:
+            assert from_next is not None, "a receive from the next stage returned nothing"
             self.grads[next_key] = from_next
 
     def _record(self, mb: int, loss: torch.Tensor, logged: Any) -> None:
@@ -259,13 +264,13 @@ class _Microbatches:
         if self.source is None:
             return None
         if self.is_sequence:
-            return self.source[mb]
+            return cast(Sequence[Any], self.source)[mb]
         if mb not in self.cache:
             if mb != self.next_to_read:
                 raise RuntimeError(f"micro-batch {mb} requested before {self.next_to_read}: "
                                    f"the iterator can only be read in order.")
             try:
-                self.cache[mb] = (next(self.source), self.num_chunks)
+                self.cache[mb] = (next(cast(Iterator[Any], self.source)), self.num_chunks)
             except StopIteration:
                 raise ValueError(
                     f"microbatches ran out after {mb} items but num_microbatches="
