@@ -131,7 +131,7 @@ def per_document(q, k, v, ids) -> torch.Tensor:
 
 def check(args, layouts) -> None:
     """flex and mask in bf16 against each document alone in float32: max |difference| of outputs and gradients
-    (the float32 model-level comparison is tests/test_packed_attention.py's GPU test)."""
+    (the float32 model-level comparison is tests/unit/transformer/test_packed_attention.py's GPU test)."""
     for dtype in (torch.bfloat16,):
         gen = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(args.batch, args.heads, args.seq, args.head_dim, device="cuda", dtype=dtype, generator=gen)

@@ -4,7 +4,7 @@
 #
 #   bash examples/smoke.sh            # everything: 24 steps, about 9 minutes on 2 CPU cores
 #   bash examples/smoke.sh --fast     # what no test runs: 4 steps, 1 minute on 2 idle cores, 2 when busy;
-#                                     # CI runs it (tests/test_smoke.py)
+#                                     # CI runs it (tests/integration/recipes/test_smoke.py)
 #   bash examples/smoke.sh --install  # first the README's install command (a clean machine)
 #
 # Each step prints its command and the line that shows it worked; a failing step prints the end of
@@ -146,7 +146,8 @@ if [[ $FAST == 0 ]]; then
         "${RACE_CPU[@]}" --trainer.devices 1 --trainer.strategy.tensor_model_parallel_size 1
 fi
 
-# -- the GPT and Llama recipes (tests/test_cli.py runs gpt_tiny at 1 rank, TP2 and DP2, gpt_moe_tiny at EP2) ---
+# -- the GPT and Llama recipes ---------------------------------------------------------------------------
+# (tests/integration/recipes/test_cli.py runs gpt_tiny at 1 rank, TP2 and DP2, gpt_moe_tiny at EP2)
 TINY_GPT=(--trainer.max_steps 4 --trainer.val_check_interval 4 --data.train_size 128 --data.val_size 32)
 fit "gpt_tiny.yaml, pipeline parallel 2 with 2 micro-batches (2 ranks, 4 steps)" "^final .*train_loss=" gpt_pp2 \
     --config examples/gpt_tiny.yaml --trainer.devices 2 --trainer.strategy.pipeline_model_parallel_size 2 \
@@ -174,8 +175,8 @@ fi
 
 # -- the rest of the README and docs/launching.md -----------------------------------------------------------
 if [[ $FAST == 0 ]]; then
-    # the README's complete programs (tests/test_docs.py runs them too), each in its own folder
-    step "README: its programs, written out" "readme_1\.py" "$PYTHON" -c "import sys; sys.path.insert(0, 'tests'); \
+    # the README's complete programs (tests/meta/test_docs.py runs them too), each in its own folder
+    step "README: its programs, written out" "readme_1\.py" "$PYTHON" -c "import sys; sys.path[:0] = ['tests/meta', 'tests']; \
 from test_docs import write_readme_programs; print(*write_readme_programs(sys.argv[1]), sep='\n')" "$WORK/readme"
     for program in "$WORK"/readme/readme_*.py; do
         step "README: $(basename "$program")" "" bash -c 'cd "$(dirname "$1")" && "$2" "$1"' _ "$program" "$PYTHON"

@@ -9,7 +9,7 @@ working tree is never touched.
     python tests/mutations.py --list
     python tests/mutations.py buffers-divisor-without-cp tied-embedding-plain
 
-``tests/test_mutations.py`` runs them under pytest (CI).
+``tests/meta/test_mutations.py`` runs them under pytest (CI).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
-UPDATES = "tests/test_strategy_updates.py::test_dense_updates_match_single_process"
-MOE_UPDATES = "tests/test_strategy_updates.py::test_moe_updates_with_balancing_losses_match_single_process"
-PACKED = "tests/test_packed_attention.py"
-PER_TOKEN = "tests/test_per_token_loss.py"
+STRATEGY = "tests/integration/strategy"   # the Trainer tests that catch most mutations
+UPDATES = f"{STRATEGY}/test_strategy_updates.py::test_dense_updates_match_single_process"
+MOE_UPDATES = f"{STRATEGY}/test_strategy_updates.py::test_moe_updates_with_balancing_losses_match_single_process"
+PACKED = "tests/unit/transformer/test_packed_attention.py"
+PER_TOKEN = f"{STRATEGY}/test_per_token_loss.py"
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Mutation:
     old: str        # text that occurs exactly once in it
     new: str
     tests: Tuple[str, ...]   # pytest node ids; at least one must fail
-    ci: bool = True          # run by tests/test_mutations.py (CI); the others by this script only
+    ci: bool = True          # run by tests/meta/test_mutations.py (CI); the others by this script only
 
 
 FINALIZE = "lightning_megatron/distributed/finalize.py"
@@ -87,14 +88,14 @@ MUTATIONS: List[Mutation] = [
              (f"{MOE_UPDATES}[cp2]",)),
     Mutation("rng-restored-before-the-iterator", "lightning_megatron/adapter/resumable_loader.py", "        if skip:\n",
              "        if False:\n",
-             ("tests/test_strategy_features.py::test_resume_with_dropout_draws_the_same_masks",)),
+             (f"{STRATEGY}/test_strategy_features.py::test_resume_with_dropout_draws_the_same_masks",)),
     # packed documents: attention stays within each document on every layout, and the recipe passes the ids
     Mutation("attention-ignores-document-ids", "lightning_megatron/transformer/attention.py",
              "documents = None if document_ids is None else DocumentMask.of(document_ids)", "documents = None",
              (f"{PACKED}::test_packed_rows_equal_each_document_alone",), ci=False),
     Mutation("context-parallel-keys-without-their-document-ids", "lightning_megatron/transformer/context_parallel.py",
              "lambda ids: all_gather_context_parallel(ids, seq_dim=1, group=group)", "lambda ids: ids.repeat(1, cp)",
-             ("tests/test_llama_strategy.py::test_packed_llama_updates_match_single_process[packed-cp2]",), ci=False),
+             (f"{STRATEGY}/test_llama_strategy.py::test_packed_llama_updates_match_single_process[packed-cp2]",), ci=False),
     Mutation("recipe-drops-document-ids", "lightning_megatron/recipes/pretrain/llama.py",
              'labels=batch["labels"],\n                          document_ids=batch.get("document_ids"))',
              'labels=batch["labels"])', (f"{PACKED}::test_recipe_passes_document_ids_from_packed_data",), ci=False),
@@ -116,100 +117,100 @@ MUTATIONS: List[Mutation] = [
     Mutation("bf16-grad-buffers-float32-unasked", "lightning_megatron/distributed/data_parallel.py",
              "grad_dtype = torch.float32 if grad_reduce_in_fp32 and dtype in",
              "grad_dtype = torch.float32 if dtype in",
-             ("tests/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[grad-buffers]",)),
+             (f"{STRATEGY}/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[grad-buffers]",)),
     Mutation("bf16-clip-coefficient-float32", "lightning_megatron/distributed/clip.py",
              "torch._foreach_mul_(same, factor.to(device=grad_device, dtype=dtype))",
              "torch._foreach_mul_(same, factor.to(device=grad_device))",
-             ("tests/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[one-micro-batch]",)),
+             (f"{STRATEGY}/test_bf16_exact.py::test_bf16_true_steps_are_the_plain_loop_bit_for_bit[one-micro-batch]",)),
     # data: a user's DistributedSampler by global rank would feed tensor-parallel peers different samples
     Mutation("sampler-by-global-rank-accepted", "lightning_megatron/adapter/sampler_check.py",
              "sampler.num_replicas != num_replicas or sampler.rank != rank",
              "sampler.num_replicas < 0",
-             ("tests/test_sampler_check.py::test_a_sampler_by_global_rank_is_refused_on_every_rank[tp2]",)),
+             (f"{STRATEGY}/test_sampler_check.py::test_a_sampler_by_global_rank_is_refused_on_every_rank[tp2]",)),
     # what a user's configure_optimizers and optimization style meet
     Mutation("tied-embedding-settings-unchecked", "lightning_megatron/pipeline/shared_embeddings.py",
              "    if message is not None:\n        raise ValueError(message)\n", "",
-             ("tests/test_user_optimizers.py::test_tied_embedding_split_over_parameter_groups_is_refused_on_every_rank",)),
+             (f"{STRATEGY}/test_user_optimizers.py::test_tied_embedding_split_over_parameter_groups_is_refused_on_every_rank",)),
     Mutation("manual-optimization-accepted", "lightning_megatron/adapter/last_stage.py",
              "    if not module.automatic_optimization:", "    if False:",
-             ("tests/test_user_optimizers.py::test_manual_optimization_is_refused_on_every_rank",), ci=False),
+             (f"{STRATEGY}/test_user_optimizers.py::test_manual_optimization_is_refused_on_every_rank",), ci=False),
     Mutation("grad-norm-of-this-rank-shard", GRADIENTS,
              "        return global_grad_norm(params, self.state, norm_type, sharded=self.sharded,",
              "        return global_grad_norm(params, self.state, norm_type, sharded=False,",
-             ("tests/test_user_optimizers.py::test_grad_norm_is_one_process_norm_on_every_rank_and_edits_reach_the_update[dp2-distopt]",),
+             (f"{STRATEGY}/test_user_optimizers.py::test_grad_norm_is_one_process_norm_on_every_rank_and_edits_reach_the_update[dp2-distopt]",),
              ci=False),
     # what training_step logs, over micro-batches and stages
     Mutation("logs-averaged-whatever-reduce-fx", "lightning_megatron/adapter/log_capture.py",
              "                records[name] = (_as_value(name, value), reduce_op(args, kwargs))\n",
              "                records[name] = (_as_value(name, value), \"mean\")\n",
-             ("tests/test_user_logging.py::test_logged_sums_maxima_and_minima_are_one_process_values[pp2]",)),
+             (f"{STRATEGY}/test_user_logging.py::test_logged_sums_maxima_and_minima_are_one_process_values[pp2]",)),
     Mutation("log-error-raised-on-the-last-stage-only", "lightning_megatron/adapter/log_capture.py",
              "                self.error = self.error or (type(err).__name__, str(err))\n", "                raise\n",
-             ("tests/test_user_logging.py::test_a_value_that_cannot_be_logged_is_raised_on_every_rank[pp4]",),
+             (f"{STRATEGY}/test_user_logging.py::test_a_value_that_cannot_be_logged_is_raised_on_every_rank[pp4]",),
              ci=False),
     Mutation("metric-states-not-sent-to-other-stages", "lightning_megatron/adapter/metric_sync.py",
              "    if not changes:\n        return\n", "    return\n",
-             ("tests/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",)),
+             (f"{STRATEGY}/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",)),
     Mutation("metric-reset-seen-by-update-count-only", "lightning_megatron/adapter/metric_sync.py",
              "                changed |= sent_tensors.get(name) is not value\n", "",
-             ("tests/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",),
+             (f"{STRATEGY}/test_user_logging.py::test_metric_objects_under_pipeline_parallelism_give_one_process_epoch_values[pp2]",),
              ci=False),
     Mutation("training-outputs-loss-only", "lightning_megatron/adapter/strategy.py",
              "        outputs = dict(extras or {}, loss=result.loss)", "        outputs = dict(loss=result.loss)",
-             ("tests/test_user_logging.py::test_training_step_outputs_besides_the_loss_reach_on_train_batch_end[pp2]",),
+             (f"{STRATEGY}/test_user_logging.py::test_training_step_outputs_besides_the_loss_reach_on_train_batch_end[pp2]",),
              ci=False),
     Mutation("rebuilding-configure-model-accepted", "lightning_megatron/adapter/last_stage.py",
              "    if before and before - {id(p) for p in module.parameters()}:", "    if False:",
-             ("tests/test_strategy_features.py::test_validate_after_fit_evaluates_the_trained_model_and_a_rebuilding_configure_model_is_refused[pp2]",),
+             (f"{STRATEGY}/test_strategy_features.py::test_validate_after_fit_evaluates_the_trained_model_and_a_rebuilding_configure_model_is_refused[pp2]",),
              ci=False),
     Mutation("resume-skips-in-any-epoch", "lightning_megatron/adapter/resumable_loader.py",
              "        if key is not None and resume.get(\"epoch\") == key:", "        if True:",
-             ("tests/test_resume_data.py::test_a_sequential_loader_resumes_exactly_mid_epoch_and_at_an_epoch_end",),
+             (f"{STRATEGY}/test_resume_data.py::test_a_sequential_loader_resumes_exactly_mid_epoch_and_at_an_epoch_end",),
              ci=False),
     Mutation("cp-logs-not-combined", "lightning_megatron/engine/step.py",
              "        if state.cp_size > 1:   # each cp rank logged", "        if False:   # each cp rank logged",
-             ("tests/test_user_logging.py::test_values_logged_from_shares_of_the_sequences_are_one_process_values[cp2]",)),
+             (f"{STRATEGY}/test_user_logging.py::test_values_logged_from_shares_of_the_sequences_are_one_process_values[cp2]",)),
     Mutation("cp-splits-every-2d-tensor", "lightning_megatron/engine/step.py",
              "keys=sequence_keys(batch))", "keys=None)",
-             ("tests/test_user_logging.py::test_values_logged_from_shares_of_the_sequences_are_one_process_values[cp2]",),
+             (f"{STRATEGY}/test_user_logging.py::test_values_logged_from_shares_of_the_sequences_are_one_process_values[cp2]",),
              ci=False),
     # the step protocol: what a plain loop must not miss, what must not outlive a step
     Mutation("received-activation-kept-by-other-chunks", "lightning_megatron/engine/step.py",
              "            for chunk in range(self.chunks):\n", "            for chunk in range(1):\n",
-             ("tests/test_engine.py::test_no_received_activation_outlives_its_step[2]",), ci=False),
+             ("tests/unit/engine/test_engine.py::test_no_received_activation_outlives_its_step[2]",), ci=False),
     Mutation("expert-biases-not-registered", "lightning_megatron/engine/train_step.py",
              "        if routers:   # aux-loss-free balancing", "        if False:   # aux-loss-free balancing",
-             ("tests/test_engine.py::test_moe_expert_biases_update_in_a_plain_loop_exactly_as_through_the_trainer[1-strategy_kwargs0-layout0]",),
+             ("tests/unit/engine/test_engine.py::test_moe_expert_biases_update_in_a_plain_loop_exactly_as_through_the_trainer[1-strategy_kwargs0-layout0]",),
              ci=False),
     # clipping by value: every gradient element, wherever the optimizer holds it
     Mutation("clip-by-value-skipped", "lightning_megatron/adapter/precision.py",
              "        torch.nn.utils.clip_grad_value_(params, clip_val)   # elementwise: no communication needed\n",
              "        pass\n",
-             ("tests/test_strategy_updates.py::test_value_clipping_matches_single_process[dp4-distopt]",), ci=False),
+             (f"{STRATEGY}/test_strategy_updates.py::test_value_clipping_matches_single_process[dp4-distopt]",), ci=False),
     # clipping by the whole model's norm
     Mutation("clip-norm-counts-tp-duplicates", "lightning_megatron/distributed/clip.py",
              "    if not param_is_not_tensor_parallel_duplicate(param, state.tp_rank):\n        return False\n", "",
-             ("tests/test_strategy.py::test_losses_match_single_process_with_clipping[tp2]",), ci=False),
+             (f"{STRATEGY}/test_strategy.py::test_losses_match_single_process_with_clipping[tp2]",), ci=False),
     # 16-mixed: every pipeline/tensor shard must skip the step another shard's overflow skips
     Mutation("scaler-overflow-not-agreed", "lightning_megatron/adapter/precision.py",
              "                dist.all_reduce(found, op=dist.ReduceOp.MAX)\n", "                pass\n",
-             ("tests/test_precision.py::test_16_mixed_under_pipeline_parallelism_skips_the_step_on_every_stage",)),
+             (f"{STRATEGY}/test_precision.py::test_16_mixed_under_pipeline_parallelism_skips_the_step_on_every_stage",)),
     # evaluation: a ragged last batch's smaller micro-batch weighs what it holds
     Mutation("eval-microbatch-logs-unweighted", "lightning_megatron/engine/logs.py",
              "            value = values.mean() if len(set(used)) == 1 else", "            value = values.mean() if True else",
-             ("tests/test_strategy_features.py::test_ragged_last_validation_batch_counts_every_sample",), ci=False),
+             (f"{STRATEGY}/test_strategy_features.py::test_ragged_last_validation_batch_counts_every_sample",), ci=False),
     # throughput: samples counted once per data-parallel replica, FLOPs once for the whole model
     Mutation("throughput-counts-per-rank", "lightning_megatron/adapter/callbacks.py",
              "    shared = world / _data_parallel_size(trainer, world)", "    shared = world",
-             ("tests/test_throughput.py::test_two_ranks_count_the_global_batch_and_the_model_once[dp2]",), ci=False),
+             (f"{STRATEGY}/test_throughput.py::test_two_ranks_count_the_global_batch_and_the_model_once[dp2]",), ci=False),
     Mutation("throughput-counts-every-rank", "lightning_megatron/adapter/callbacks.py",
              "    shared = world / _data_parallel_size(trainer, world)", "    shared = 1",
-             ("tests/test_throughput.py::test_two_ranks_count_the_global_batch_and_the_model_once[tp2]",), ci=False),
+             (f"{STRATEGY}/test_throughput.py::test_two_ranks_count_the_global_batch_and_the_model_once[tp2]",), ci=False),
     # fused cross-entropy: each tp shard's sum of exponentials is taken at its own max; unscaled to the global
     # max before the sum over tp, the logsumexp is wrong whenever the shards' maxima differ
     Mutation("fused-cross-entropy-sums-unscaled", "lightning_megatron/tensor_parallel/fused_cross_entropy.py",
              "            stats[1] *= torch.exp(stats[0] - global_max)", "            pass  #",
-             ("tests/test_fused_cross_entropy.py::test_matches_unfused[2]",), ci=False),
+             ("tests/unit/tensor_parallel/test_fused_cross_entropy.py::test_matches_unfused[2]",), ci=False),
 ]
 
 

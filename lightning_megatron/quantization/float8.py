@@ -46,7 +46,7 @@ Tensorwise: one scale over each of those tensors. Rowwise: one scale per row ove
 dimension: for column-parallel it is whole on every rank (the TP=1 scales exactly); for row-parallel
 it is this rank's ``in / tp`` slice. A shard's scale is at least as fine as the TP=1 one, so TP=N is
 not bit-identical to TP=1 in float8 but is exactly what ``Float8Linear`` computes on that rank's shard
-(``tests/test_fp8.py`` checks it at TP=2). An amax reduction over ranks is needed only to communicate
+(``tests/unit/quantization/test_fp8.py`` checks it at TP=2). An amax reduction over ranks is needed only to communicate
 float8 tensors (torchao's ``enable_fsdp_float8_all_gather``, float8 all-gathers): both are off.
 
 Grouped MoE experts (``GroupedMLP``) with ``Float8Config(grouped_experts=True)`` (off by default: slower than

@@ -1,0 +1,26 @@
+"""The multi-GPU scaling benchmark (issue #21) runs whenever a multi-GPU machine is lent, so its machinery
+is dry-run here on CPU (gloo, tiny model): a broken script would otherwise waste that machine's time."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers.paths import ROOT
+
+
+def test_scaling_benchmark_dry_run_on_cpu(tmp_path):
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--gpus", "2",
+                           "--tiny", "--accelerator", "cpu", "--only", "gpt-1gpu,gpt-pp2-vpp2-m4",
+                           "--timeout", "240", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"gpt-1gpu", "gpt-pp2-vpp2-m4"} and None not in results.values(), done.stdout
+    one, pipeline = results["gpt-1gpu"], results["gpt-pp2-vpp2-m4"]
+    assert pipeline["layout"]["pp"] == 2 and pipeline["layout"]["vpp"] == 2
+    assert one["step_s"] > 0 and pipeline["step_s"] > 0
+    # the same 8 sequences a step in both layouts (2 x 4 on one process, 4 x 2 through the pipeline), float32
+    assert abs(one["final_loss"] - pipeline["final_loss"]) < 1e-4, (one["final_loss"], pipeline["final_loss"])
+    assert "| gpt-pp2-vpp2-m4 | 4 |" in done.stdout

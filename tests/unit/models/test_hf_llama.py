@@ -1,0 +1,235 @@
+"""Hugging Face Llama / Mistral / Mixtral import and export against ``transformers`` itself.
+
+Tiny models are built from configs (no download), saved as sharded safetensors, imported at
+TP1/TP2/PP2(+VPP)/TP2·PP2/TP4 (key/value heads shared by tp ranks)/CP2 (and EP2, TP2·EP2 for
+Mixtral): the float32 logits and per-token losses equal Hugging Face's. Exports from a parallel
+layout load with ``from_pretrained`` and hold exactly the original tensors.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+
+from lightning_megatron.context_parallel import split_for_context_parallel
+from lightning_megatron.models.hf_llama import (
+    config_from_hf, load_hf_llama, model_kwargs_from_hf, parse_size, save_hf_llama,
+)
+from lightning_megatron.models.llama import LlamaModel
+from lightning_megatron.parallel import ParallelLayout, ParallelState
+from lightning_megatron.pipeline import VirtualChunks, forward_backward
+from lightning_megatron.testing import run_on_ranks
+from lightning_megatron.transformer.rotary import rope_inverse_frequencies
+from helpers.tp_utils import gather
+
+VOCAB, SEQ, BATCH = 100, 16, 2
+COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=VOCAB,
+              max_position_embeddings=64)
+FAMILIES = {
+    # GQA 4:2, Llama-3 rope scaling, untied output layer, 4 layers (PP2·VPP2 has one per chunk)
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(num_hidden_layers=4, num_key_value_heads=2,
+                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=8))),
+    # one key/value head (shared by every tp rank), head_dim 32 != 64/4, tied embeddings, a window
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                     sliding_window=32)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+}
+# (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
+LAYOUTS = {
+    "llama": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, 2, 1), (1, 1, 1, None, 2), (4, 1, 1, None, 1),
+              (2, 2, 1, None, 1)],
+    "mistral": [(1, 1, 1, None, 1), (1, 2, 1, None, 1), (4, 1, 1, None, 1), (2, 2, 1, None, 1)],
+    "mixtral": [(1, 1, 1, None, 1), (2, 2, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """Each family's sharded HF directory, inputs, HF logits, per-token losses and loss."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)   # HF shifts inside; we do not
+    for kind, (config_cls, model_cls, extra) in FAMILIES.items():
+        torch.manual_seed(1)
+        model = model_cls(config_cls(**COMMON, **extra)).eval()
+        path = str(tmp_path_factory.mktemp(kind))
+        model.save_pretrained(path, max_shard_size="60KB")
+        with torch.no_grad():
+            hf = model(ids, labels=ids)
+            # explicit positions (restarting mid-sequence, as packed documents will): only the rotary angles change
+            positions = (torch.arange(SEQ) % (SEQ // 2 + 3)).expand(BATCH, SEQ)
+            positioned = model(ids, position_ids=positions).logits
+        per_token = F.cross_entropy(hf.logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
+        assert per_token.sum() / (labels != -100).sum() == pytest.approx(float(hf.loss), rel=1e-6)
+        out[kind] = dict(path=path, ids=ids, labels=labels, logits=hf.logits, per_token=per_token, loss=float(hf.loss),
+                         positions=(positions, positioned))
+    return out
+
+
+def test_checkpoints_are_sharded(families):
+    for kind, fam in families.items():
+        with open(os.path.join(fam["path"], "model.safetensors.index.json")) as f:
+            assert len(set(json.load(f)["weight_map"].values())) > 2, kind
+
+
+def _last_stage_outputs(model, state, ids, labels, hidden, positions):
+    """Logits (full vocabulary), per-token loss and logits at ``positions`` from the last stage; None elsewhere."""
+    def step(mb, chunk, ctx):
+        if not ctx.is_last_stage:
+            return chunk(mb[0])
+        out = {"logits": gather(chunk(mb[0]), -1, state)[..., :VOCAB], "per_token": chunk(mb[0], labels=mb[1])}
+        if state.pp_size == 1:   # the whole model in this chunk: a second forward at other positions
+            out["positioned"] = gather(chunk(mb[0], position_ids=mb[2]), -1, state)[..., :VOCAB]
+        return out["per_token"].sum(), out
+
+    micro = [(ids[i:i + 1], labels[i:i + 1], positions[i:i + 1]) for i in range(ids.shape[0])]   # a sequence each
+    with torch.no_grad():
+        out = forward_backward(step, micro, list(model.chunks), forward_only=True,
+                               tensor_shape=(ids.shape[1], 1, hidden),
+                               pp_group=state.pp_group if state.pp_size > 1 else None)
+    if not out.logged:
+        return None
+    return {key: torch.cat([logged[key] for logged in out.logged]) for key in out.logged[0]}
+
+
+def _import_matches(path, layouts, ids, labels, ref_logits, ref_per_token, positions, export_to=None,
+                    max_shard_size=None):
+    """Import at each layout and compare with Hugging Face; returns (max errors, elements read by rank)."""
+    errors, reads = [], []
+    for tp, pp, ep, vp, cp in layouts:
+        state = ParallelState(ParallelLayout(dist.get_world_size(), tp=tp, pp=pp, ep=ep, cp=cp),
+                              virtual_pipeline_size=vp).activate()
+        config, kwargs = config_from_hf(path), model_kwargs_from_hf(path)
+        model = VirtualChunks(lambda v: LlamaModel(config, vp_rank=v, **kwargs)).eval()
+        reads.append(load_hf_llama(model, path))
+        split = lambda t: split_for_context_parallel(t, cp, state.cp_rank)   # noqa: E731
+        out = _last_stage_outputs(model, state, split(ids), split(labels), config.hidden_size, split(positions[0]))
+        if out is not None:
+            if "positioned" in out:
+                torch.testing.assert_close(out["positioned"], split(positions[1]), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out["logits"], split(ref_logits), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"layout tp{tp} pp{pp} ep{ep} vp{vp} cp{cp}: {m}")
+            torch.testing.assert_close(out["per_token"], split(ref_per_token), atol=1e-5, rtol=1e-5)
+            errors.append(float((out["logits"] - split(ref_logits)).abs().max()))
+    if export_to is not None:
+        save_hf_llama(model, export_to, max_shard_size=max_shard_size)
+    return errors, reads
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_import_gives_transformers_logits_and_export_loads(families, kind, tmp_path):
+    fam = families[kind]
+    export = str(tmp_path / "export")
+    out = run_on_ranks(_import_matches, 4, fam["path"], LAYOUTS[kind], fam["ids"], fam["labels"],
+                       fam["logits"], fam["per_token"], fam["positions"], export, "50KB", timeout=180)
+    errors = [e for rank_errors, _ in out for e in rank_errors]
+    assert len(errors) >= len(LAYOUTS[kind]) and max(errors) < 1e-5
+    total = sum(t.numel() for t in load_hf_state(fam["path"]).values())
+    if kind != "mixtral":   # at TP2·PP2 each rank reads about a quarter of the tensors, not the files
+        assert all(reads[-1] < 0.35 * total for _, reads in out), ([reads for _, reads in out], total)
+    # the export (from the run's last layout) is a directory transformers loads, with the same tensors
+    original, written = load_hf_state(fam["path"]), load_hf_state(export)
+    assert written.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(written[name], tensor), name
+    with open(os.path.join(export, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(hf).__name__ == FAMILIES[kind][1].__name__
+    with torch.no_grad():
+        again = hf(fam["ids"], labels=fam["ids"])
+    torch.testing.assert_close(again.logits, fam["logits"], atol=1e-6, rtol=1e-6)
+    assert float(again.loss) == pytest.approx(fam["loss"], rel=1e-6)
+
+
+def load_hf_state(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return load_file(os.path.join(path, "model.safetensors"))
+    with open(index) as f:
+        files = set(json.load(f)["weight_map"].values())
+    out = {}
+    for file in files:
+        out.update(load_file(os.path.join(path, file)))
+    return out
+
+
+# -- configuration and rotary frequencies (no processes) ------------------------------------------------
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="default", rope_theta=10000.0),
+    dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+    dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=8192),
+])
+def test_rope_frequencies_are_transformers_bit_for_bit(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=dict(rope))
+    config = config_from_hf(hf_config)
+    ours = rope_inverse_frequencies(config.rotary_dim, config.rotary_base, config.rope_scaling)
+    if rope["rope_type"] == "default":
+        theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(
+            hf_config)[0]
+    else:
+        theirs = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")[0]
+    assert torch.equal(ours, theirs)
+
+
+def test_config_from_hf(families):
+    for kind, fam in families.items():
+        with open(os.path.join(fam["path"], "config.json")) as f:
+            hf = json.load(f)
+        config = config_from_hf(hf)
+        assert config.position_embedding_type == "rope" and not config.add_bias_linear
+        assert config.query_groups == hf["num_key_value_heads"]
+    assert config_from_hf(families["mistral"]["path"]).head_dim == 32
+    assert model_kwargs_from_hf(families["mistral"]["path"])["tie_word_embeddings"] is True
+    assert config_from_hf(families["mixtral"]["path"]).moe.num_experts == 4
+
+
+def test_errors_name_the_field():
+    from lightning_megatron.transformer import TransformerConfig
+    from lightning_megatron.transformer.config import check_query_groups
+
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by num_query_groups=3"):
+        TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=3)
+    with pytest.raises(ValueError, match=r"rope_scaling\['rope_type'\]='yarn' is not supported"):
+        TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, position_embedding_type="rope",
+                          rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"needs \['factor', 'low_freq_factor'.*missing \['high_freq_factor'"):
+        TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8})
+    with pytest.raises(ValueError, match="position_embedding_type='alibi' is not one of"):
+        TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, position_embedding_type="alibi")
+    config = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=3)
+    with pytest.raises(ValueError, match="num_query_groups=3 and tensor_model_parallel_size=2: one must divide"):
+        check_query_groups(config, 2)
+    check_query_groups(config, 6)   # each key/value head shared by 2 ranks
+    with pytest.raises(ValueError, match="hidden_act='gelu' in config.json is not supported"):
+        config_from_hf(dict(model_type="llama", hidden_act="gelu"))
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(123) == 123
+
+
+def test_partial_rotary_rotates_the_first_channels_only():
+    from lightning_megatron.transformer.rotary import apply_rotary, rotate_half
+
+    x = torch.randn(2, 3, 5, 8)
+    inv_freq = rope_inverse_frequencies(4, 100.0)
+    angles = torch.arange(5)[:, None].float() * inv_freq
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    out = apply_rotary(x, cos, sin)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    torch.testing.assert_close(out[..., :4], x[..., :4] * cos + rotate_half(x[..., :4]) * sin)
+    assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), atol=1e-5)   # a rotation
