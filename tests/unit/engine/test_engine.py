@@ -169,7 +169,7 @@ def _expert_biases(module):
 
 def _moe_through_the_trainer(strategy_kwargs):
     import lightning as L
-    from strategy_utils import fit_and_record
+    from helpers.strategy_utils import fit_and_record
 
     biases = []
 
@@ -189,7 +189,7 @@ def _moe_in_a_plain_loop(layout, micro_batch_size):
 
     from lightning_megatron.engine.replicas import make_replicas_identical, seed_identically
     from lightning_megatron.transformer import model_defaults
-    from strategy_utils import TinyGPT, TokenData
+    from helpers.strategy_utils import TinyGPT, TokenData
 
     L.seed_everything(0, verbose=False)
     state = ParallelState(ParallelLayout(dist.get_world_size(), **layout)).activate()
