@@ -11,6 +11,9 @@ def lazy_face(package: str, exports: Mapping[str, str]) -> Tuple[Callable[[str],
     """``__getattr__`` and ``__dir__`` for ``package``: each public name in ``exports`` maps to the module that
     defines it, relative to ``package`` (``".state"``, ``"..parallel.stages"``), imported when the name is first read."""
     table: Dict[str, str] = dict(exports)
+    for name, module in table.items():   # importing that submodule would rebind the name to the module
+        if module.lstrip(".") == name:
+            raise ValueError(f"{package}: {name!r} is also a submodule's name; import it eagerly in the face")
 
     def __getattr__(name: str) -> Any:
         module = table.get(name)

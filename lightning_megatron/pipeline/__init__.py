@@ -3,11 +3,12 @@
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_face
+# named like its module: bound here, since importing the submodule later would rebind the package attribute to
+# the module and a lazy __getattr__ would never be asked (comm_plan is pure: no torch)
+from .comm_plan import CommRound, comm_plan
 
 __getattr__, __dir__ = lazy_face(__name__, {
     'VirtualChunks': '.chunks',
-    'CommRound': '.comm_plan',
-    'comm_plan': '.comm_plan',
     'ForwardStepFn': '.executor',
     'PipelineOutput': '.executor',
     'StepContext': '.executor',
@@ -40,7 +41,6 @@ __getattr__, __dir__ = lazy_face(__name__, {
 
 if TYPE_CHECKING:
     from .chunks import VirtualChunks
-    from .comm_plan import CommRound, comm_plan
     from .executor import (
         ForwardStepFn, PipelineOutput, StepContext, deallocate_output_tensor, forward_backward,
     )

@@ -206,3 +206,19 @@ def test_the_strategy_class_stays_a_thin_adapter():
     tree = ast.parse((PACKAGE / "adapter" / "strategy.py").read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MegatronStrategy"]
     assert cls.end_lineno - cls.lineno + 1 <= 300
+
+
+def test_public_names_of_the_lazy_faces_are_what_they_name_after_every_module_is_imported():
+    """A name loaded on first use must not turn into a submodule once that submodule has been imported."""
+    out = _run(f"""
+        import importlib, types
+        for name in {sorted(m for m in MODULES if not m.endswith("__main__"))!r}:
+            importlib.import_module(name)
+        wrong = []
+        for face in ("lightning_megatron", "lightning_megatron.parallel", "lightning_megatron.pipeline",
+                     "lightning_megatron.adapter"):
+            module = importlib.import_module(face)
+            wrong += [f"{{face}}.{{n}}" for n in module.__all__ if isinstance(getattr(module, n), types.ModuleType)]
+        print(wrong)
+    """)
+    assert out.strip() == "[]"
