@@ -121,6 +121,8 @@ CONSTRAINTS: Dict[str, str] = {
            "CUDA GPU of compute capability >= 8.9 (not checked with ``Float8Config(emulate=True)``)",
     "calculate_per_token_loss": "bool; ``training_step`` must then return ``num_tokens`` with the summed loss; "
                                 "refuses ``accumulate_grad_batches > 1``",
+    "compile_layers": "``True``, ``False``, ``\"auto\"`` or a dict of ``torch.compile`` keywords (``backend``, "
+                      "``mode``, ``options``, ``dynamic``, ``fullgraph``); ``\"auto\"`` compiles on CUDA only",
     "accelerator": "-",
     "parallel_devices": "-",
     "cluster_environment": "-",
@@ -130,7 +132,7 @@ CONSTRAINTS: Dict[str, str] = {
 
 LIGHTNING_SET = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 PROCESSES = ("process_group_backend", "timeout", "start_method")
-NUMERICS = ("fp8", "calculate_per_token_loss")
+NUMERICS = ("fp8", "calculate_per_token_loss", "compile_layers")
 
 
 def docstring_args(doc: str) -> Dict[str, Tuple[str, bool]]:

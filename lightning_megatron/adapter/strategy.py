@@ -44,6 +44,7 @@ from ..parallel.config import ParallelConfig
 from ..parallel.topology import DEFAULT_ORDER
 from ..pipeline.shared_embeddings import check_tied_optimizer_settings
 from ..quantization.float8 import Float8Config, enable_fp8, fp8_config
+from ..transformer.compile import CompileLayers, apply_compile_layers, check_compile_layers
 from ..transformer.config import model_defaults
 from .checkpoint_hooks import ShardedCheckpointHooks
 from .evaluation import EvaluationHooks
@@ -89,10 +90,11 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         calculate_per_token_loss: ``training_step`` returns ``{"loss": <sum of token losses>, "num_tokens":
             <their count>}`` and the gradients are divided by the global batch's token count: one process's
             per-token mean however the labelled tokens spread over micro-batches, data and context ranks.
+        compile_layers: ``torch.compile`` each ``TransformerLayer`` (``transformer/compile.py``): True, False,
+            ``"auto"`` (default: on CUDA, where faster) or ``torch.compile`` keywords (``{"mode": "max-autotune"}``).
 
-    Any of the last five switches gradients into contiguous buffers (``param.main_grad``; the
-    optimizer still reads ``.grad``); with none of them, gradients stay in ``.grad`` and are
-    reduced by one coalesced all-reduce after the schedule.
+    ``overlap_grad_reduce``, ``bucket_size``, ``grad_reduce_in_fp32`` or the distributed optimizer put gradients in
+    buffers (``param.main_grad``); without them they stay in ``.grad``, reduced by one coalesced all-reduce.
     """
 
     strategy_name = "megatron"
@@ -110,7 +112,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  grad_reduce_in_fp32: bool = False, use_distributed_optimizer: bool = False,
                  overlap_param_gather: bool = False, fp8: Union[None, str, Float8Config] = None,
-                 calculate_per_token_loss: bool = False,
+                 calculate_per_token_loss: bool = False, compile_layers: CompileLayers = "auto",
                  accelerator: Optional[Accelerator] = None, parallel_devices: Optional[List[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None,
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None) -> None:
@@ -128,6 +130,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         self.graph_config.check_with(self.gradient_config)
         self.fp8 = fp8_config(fp8)   # validated here; torchao and the GPU are checked at setup
         self.calculate_per_token_loss = bool(calculate_per_token_loss)
+        self.compile_layers = check_compile_layers(compile_layers)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'spawn', 'fork', 'forkserver'.")
         self.engine: Optional[StepEngine] = None          # runs the steps (built in setup)
@@ -203,6 +206,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_automatic_optimization(self.lightning_module)
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
+        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -301,9 +305,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         return out
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The whole model's gradient norm as one process computes it, the same on every rank at every layout;
-        a collective: call it on every rank between backward and the optimizer step (``on_before_optimizer_step``).
-        Lightning's ``grad_norm(module)`` sees this rank's shards only (under the distributed optimizer, none)."""
+        """The whole model's gradient norm as one process computes it (a collective: every rank, between backward
+        and the optimizer step); Lightning's ``grad_norm(module)`` sees this rank's shards only."""
         if self.gradients is None:
             raise RuntimeError("strategy.grad_norm() reads the gradients of a training step: call it while fitting, "
                                "e.g. in on_before_optimizer_step.")
@@ -311,8 +314,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
                                     for p in group["params"]], norm_type)
 
     def finish_param_sync(self) -> None:
-        """Wait for the parameter all-gathers of ``overlap_param_gather``: call before reading parameters
-        outside a forward between steps (e.g. in a callback); checkpoints and the end of fit do it."""
+        """Wait for ``overlap_param_gather``'s all-gathers before reading parameters between steps (callbacks)."""
         if self.gradients is not None:
             self.gradients.finish_param_sync()
 
@@ -337,9 +339,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A run that failed before its step engine existed (configure_model, setup) leaves no half-built
-        process groups active for the next model built in this process; after setup they stay (a
-        ``save_checkpoint`` after an interrupted fit still needs them)."""
+        """A run that failed before its step engine existed leaves no half-built process groups active for the
+        next model built in this process; after setup they stay (``save_checkpoint`` still needs them)."""
         if self.engine is None and self.parallel_state is not None:
             self.parallel_state.destroy()
             self.parallel_state = None

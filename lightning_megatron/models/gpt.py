@@ -14,7 +14,7 @@ from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig
-from ..tensor_parallel.fused_cross_entropy import parallel_linear_cross_entropy
+from ..tensor_parallel.fused_cross_entropy import fused_kernels_run, parallel_linear_cross_entropy
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
 
 
@@ -33,7 +33,11 @@ class GPTModel(nn.Module):
     ``cross_entropy_chunk_size``: with labels, compute the loss fused with the output layer over
     chunks of that many tokens (``tensor_parallel.fused_cross_entropy``), so the float32
     ``[s, b, V/tp]`` logits are never whole in the forward or the backward (several GB at large
-    vocabularies); None (default) computes the logits whole, then the loss.
+    vocabularies), at the price of the output GEMM once more in the backward.
+    ``fused_cross_entropy``: without a chunk size, the logits whole (in the model's dtype) and the loss
+    and its gradient in one fused pass over them in the forward (no float32 softmax copies, no second
+    pass in the backward: the fastest path); None (default): where its Triton kernels run (CUDA), else the
+    unfused ``vocab_parallel_cross_entropy(logits)``; True/False to force it (True on the CPU: torch passes).
     """
 
     # the last stage's copy of the tied table is this weight in the single-process model
@@ -43,7 +47,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  vp_rank: int = 0, tie_word_embeddings: bool = True, label_smoothing: float = 0.0,
                  first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
-                 cross_entropy_chunk_size: Optional[int] = None) -> None:
+                 cross_entropy_chunk_size: Optional[int] = None, fused_cross_entropy: Optional[bool] = None) -> None:
         super().__init__()
         if config.attn_mask_type != "causal":
             raise ValueError("GPTModel needs TransformerConfig(attn_mask_type='causal').")
@@ -57,7 +61,14 @@ class GPTModel(nn.Module):
                 cross_entropy_chunk_size, int) or cross_entropy_chunk_size < 1):
             raise ValueError(f"GPTModel cross_entropy_chunk_size must be a positive number of tokens or None (the "
                              f"unfused loss), got {cross_entropy_chunk_size!r}.")
+        if fused_cross_entropy not in (None, True, False):
+            raise ValueError(f"GPTModel fused_cross_entropy must be None (fused where its kernels run), True or "
+                             f"False, got {fused_cross_entropy!r}.")
+        if fused_cross_entropy is False and cross_entropy_chunk_size is not None:
+            raise ValueError(f"GPTModel cross_entropy_chunk_size={cross_entropy_chunk_size} fuses the loss with the "
+                             f"output layer, fused_cross_entropy=False asks for the unfused loss: drop one of them.")
         self.cross_entropy_chunk_size = cross_entropy_chunk_size
+        self.fused_cross_entropy = fused_cross_entropy
         self.pre_process, self.post_process = chunk_position(vp_rank)
         self.input_tensor: Optional[torch.Tensor] = None
 
@@ -92,7 +103,9 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
-        if labels is not None and self.cross_entropy_chunk_size is not None:   # logits never whole: fused, chunked
+        fused = self.cross_entropy_chunk_size is not None or self.fused_cross_entropy or (
+            self.fused_cross_entropy is None and fused_kernels_run(hidden))
+        if labels is not None and fused:   # the loss fused with the output layer (chunked: logits never whole)
             return parallel_linear_cross_entropy(
                 hidden, weight, labels.t(), self.config.sequence_parallel, label_smoothing=self.label_smoothing,
                 vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size).t()

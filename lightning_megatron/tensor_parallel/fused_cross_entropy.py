@@ -64,6 +64,7 @@ def _use_kernels(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and SWITCH.on()
 
 
+fused_kernels_run = _use_kernels            # public: whether the fused loss runs its Triton passes on ``x``
 kernels_enabled = SWITCH.forced_to   # ``with kernels_enabled(False):`` the torch passes
 
 
@@ -172,11 +173,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # rows: this shard's max, Σ exp(logit - max), target logit, Σ logits (label smoothing)
         stats = torch.zeros(4 if smoothing else 3, n, dtype=torch.float32, device=hidden.device)
         stats[0] = float("-inf")   # a shard holding only padding rows: no mass
+        whole = chunk_size is None   # the logits whole, their gradient made here (see linear_cross_entropy)
+        logits = None
         with torch.autocast(hidden.device.type, enabled=False):
-            for lo, hi in _chunks(n, chunk_size) if real > 0 else ():
+            for lo, hi in _chunks(n, n if whole else chunk_size) if real > 0 and n > 0 else ():
                 logits = F.linear(hidden[lo:hi], w, b)                                   # [c, real], input dtype
                 _chunk_stats(logits, local_target[lo:hi], smoothing, stats[:, lo:hi])
-                del logits
+                if not whole:
+                    del logits
 
         if world > 1:
             global_max = stats[0].clone()
@@ -192,11 +196,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
         ctx.label_smoothing, ctx.vocab_size, ctx.real, ctx.chunk_size = label_smoothing, vocab_size, real, chunk_size
-        ctx.save_for_backward(hidden, weight, bias, local_target, ignored, lse)
+        if whole:   # d loss_t / d logits_t for every token now, over the logits (the Triton pass) or beside them
+            grad_logits = None
+            if logits is not None and any(ctx.needs_input_grad[:3]):
+                ones = (~ignored).to(torch.float32)
+                grad_logits = _chunk_grad(logits, local_target, lse, ones, label_smoothing, vocab_size)
+            del logits
+            ctx.save_for_backward(hidden, weight, bias, ignored, grad_logits)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, local_target, ignored, lse)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.chunk_size is None:
+            return _whole_backward(ctx, grad_loss)
         hidden, weight, bias, local_target, ignored, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         real = ctx.real
@@ -227,9 +241,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
+def _whole_backward(ctx, grad_loss):
+    """The forward made ``D`` = d loss_t / d logits_t for every token; the per-token output gradient ``g``
+    scales rows, so it goes on the small sides of the GEMMs: ``grad_hidden = g ⊙ (D W)``,
+    ``grad_weight = Dᵀ (g ⊙ hidden)``, ``grad_bias = Dᵀ g``: no second pass over the ``[tokens, V/tp]`` logits."""
+    hidden, weight, bias, ignored, grad_logits = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    real = ctx.real
+    g = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).to(torch.float32)[:, None]
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    grad_bias = torch.zeros_like(bias) if need_bias else None
+    if grad_logits is None:   # a shard of padding rows only: no logits, no gradient
+        return (torch.zeros_like(hidden) if need_hidden else None), grad_weight, grad_bias, \
+            None, None, None, None, None, None
+    grad_hidden = None
+    with torch.autocast(hidden.device.type, enabled=False):
+        if need_hidden:
+            grad_hidden = torch.mm(grad_logits, weight[:real]).to(torch.float32).mul_(g).to(hidden.dtype)
+        if grad_weight is not None:
+            torch.mm(grad_logits.t(), (hidden.to(torch.float32) * g).to(hidden.dtype), out=grad_weight[:real])
+        if grad_bias is not None:
+            grad_bias[:real] = (grad_logits.t().to(torch.float32) @ g[:, 0]).to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, label_smoothing: float = 0.0, ignore_index: int = -100,
-                         vocab_size: Optional[int] = None, chunk_size: int = 4096,
+                         vocab_size: Optional[int] = None, chunk_size: Optional[int] = 4096,
                          group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Per-token loss ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), target, ...)``
     (shape of ``target``; 0 where ``target == ignore_index``) without the whole logits.
@@ -237,16 +275,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``hidden``: ``[..., h]``, the same on every tp rank (already copied / all-gathered for tp: its
     gradient is this rank's partial sum, as ``F.linear``'s). ``weight``: ``[V_padded/tp, h]``, this
     rank's vocabulary rows; ``bias``: ``[V_padded/tp]``. ``vocab_size``: the real vocabulary
-    (default: every padded row is real). ``chunk_size``: tokens whose logits exist at once.
-    Under autocast the projection runs in the autocast dtype, as ``F.linear`` would.
+    (default: every padded row is real). ``chunk_size``: tokens whose logits exist at once, recomputed in
+    the backward; None: the logits whole, once, with their gradient made in the forward over them (one
+    GEMM fewer than chunked, one fused pass instead of the unfused path's float32 softmax; the memory of one
+    ``[tokens, V/tp]`` logits tensor in the input dtype from the forward to the backward). Under autocast the projection runs in the autocast dtype, as ``F.linear`` would.
     """
     group = resolve_group(group)
     world = dist.get_world_size(group)
     padded = weight.shape[0] * world
     vocab_size = padded if vocab_size is None else vocab_size
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer (tokens whose logits exist at once), "
-                         f"got {chunk_size!r}.")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer (tokens whose logits exist at once) or None (the "
+                         f"logits whole), got {chunk_size!r}.")
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the padded vocabulary "
                          f"over {world} tensor-parallel ranks).")

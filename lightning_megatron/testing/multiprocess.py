@@ -28,8 +28,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 MAX_WORLD_SIZE = 8
 # The fork server imports these once; each rank is then a fork of it (~20 ms instead of ~1 s).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "pytest", "lightning_megatron",
-                      "lightning_megatron.tensor_parallel"]
+# Imported once by the fork server, so each rank starts with them: without Lightning, torchmetrics and
+# dynamo here every rank imported them anew (~5 s of CPU each; the package itself imports lazily). A module
+# that is not installed is skipped by the server.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo", "pytest",
+                      "lightning.pytorch", "torchmetrics", "lightning_megatron", "lightning_megatron.tensor_parallel",
+                      "lightning_megatron.adapter.strategy", "lightning_megatron.models", "lightning_megatron.moe"]
 _GRACE_AFTER_ERROR_S = 3.0   # how long other ranks may still report once one has failed
 _GRACE_AFTER_DEATH_S = 5.0   # how long a dead rank's last message may take to arrive (busy CI machines)
 MESH_RETRIES = 2             # fresh starts after gloo's connectFullMesh failure (then the failure is reported)

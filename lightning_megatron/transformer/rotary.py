@@ -80,9 +80,12 @@ class RotaryEmbedding(nn.Module):
         self._cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self.inv_freq
+        inv_freq = self.inv_freq
+        if inv_freq.device != positions.device:
+            inv_freq = inv_freq.to(positions.device)
+            if not torch.compiler.is_compiling():   # kept on the device; a compiled graph moves its own copy
+                self.inv_freq = inv_freq
+        freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -92,6 +95,10 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._angles(position_ids.to(device), dtype)
             return cos.unsqueeze(1), sin.unsqueeze(1)                           # [b, 1, s, r]
         state = get_parallel_state()
+        if torch.compiler.is_compiling():
+            # a compiled layer computes its angles in its own graph (fused into the rotation): no cache, whose
+            # inference-mode check and dict updates would break the graph
+            return self._angles(context_parallel_position_ids(seq_len, state.cp_size, state.cp_rank, device), dtype)
         # inference-mode tensors cannot be saved for a later training backward: a cache entry of their own
         key = (seq_len, state.cp_size, state.cp_rank, torch.device(device), dtype, torch.is_inference_mode_enabled())
         cached = self._cache.get(key)

@@ -53,6 +53,11 @@ DENSE = {
     "dp2pp2-distopt-gather": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                                       use_distributed_optimizer=True, overlap_param_gather=True)),
 }
+# compiled layers (traced by dynamo and AOTAutograd; the eager backend runs the traced graphs: inductor's own
+# numbers are tests/unit/transformer/test_compile.py's)
+TRACED = dict(compile_layers=dict(backend="aot_eager"))
+DENSE.update({f"{name}-compiled": (DENSE[name][0], dict(DENSE[name][1], **TRACED)) for name in (
+    "tp2sp", "cp2", "pp2vpp2", "dp2pp2-distopt-gather", "pp2-partial-graphs", "dp2tp2-full-graph")})
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,8 @@ def _inputs(state, dtype=torch.float32, seed=0):
 
 
 def _run(fused, hidden, weight, bias, target, weights, **kwargs):
+    """``fused``: ``parallel_linear_cross_entropy`` (``chunk_size=None``: the logits whole, their gradient
+    made in the forward); else the unfused path (``chunk_size`` ignored)."""
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     bias = bias.clone().requires_grad_() if bias is not None else None
     if fused:
@@ -56,7 +58,7 @@ def _fused_equals_unfused():
     cases = 0
     for smoothing in (0.0, 0.1):
         for vocab in (VOCAB, PADDED):
-            for chunk in (1, 5, 21, 64):
+            for chunk in (1, 5, 21, 64, None):
                 for b in (None, bias):
                     kwargs = dict(label_smoothing=smoothing, vocab_size=vocab)
                     ref = _run(False, hidden, weight, b, target, weights, chunk_size=chunk, **kwargs)
@@ -71,7 +73,7 @@ def _fused_equals_unfused():
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_matches_unfused(world):
-    assert run_on_ranks(_fused_equals_unfused, world, timeout=120) == [32] * world
+    assert run_on_ranks(_fused_equals_unfused, world, timeout=120) == [40] * world
 
 
 def _low_precision(autocast):
@@ -81,11 +83,13 @@ def _low_precision(autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ref = _run(False, hidden, weight, None, target, weights, chunk_size=None, label_smoothing=0.1,
                    vocab_size=VOCAB)
-        out = _run(True, hidden, weight, None, target, weights, chunk_size=4, label_smoothing=0.1, vocab_size=VOCAB)
-    for o, r in zip(out[:3], ref[:3]):
-        assert o.dtype == r.dtype
-        torch.testing.assert_close(o, r, atol=1e-2, rtol=1e-2)
-    return out[0].dtype, out[1].dtype, out[2].dtype
+        outs = [_run(True, hidden, weight, None, target, weights, chunk_size=chunk, label_smoothing=0.1,
+                     vocab_size=VOCAB) for chunk in (4, None)]
+    for out in outs:
+        for o, r in zip(out[:3], ref[:3]):
+            assert o.dtype == r.dtype
+            torch.testing.assert_close(o, r, atol=1e-2, rtol=1e-2)
+    return outs[1][0].dtype, outs[1][1].dtype, outs[1][2].dtype
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
@@ -103,18 +107,23 @@ def _gpt_grads(sequence_parallel, tie, label_smoothing):
     labels = torch.randint(0, 100, (2, 8), generator=gen)
     labels[1, 5:] = -100
     results = []
-    for chunk in (None, 5):
+    # unfused (on the CPU also the default), chunked, whole logits with the gradient made in the forward
+    for chunk, fused in ((None, False), (5, None), (None, True)):
         model = GPTModel(cfg, 100, max_sequence_length=8, tie_word_embeddings=tie, label_smoothing=label_smoothing,
-                         cross_entropy_chunk_size=chunk)
+                         cross_entropy_chunk_size=chunk, fused_cross_entropy=fused)
         loss = model(ids, labels=labels)
         (loss * (labels != -100)).sum().div(13).backward()
         allreduce_sequence_parallel_grads(model.parameters())
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (ref_loss, ref_grads), (loss, grads) = results
-    torch.testing.assert_close(loss, ref_loss, **TIGHT)
-    assert grads.keys() == ref_grads.keys()
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    (ref_loss, ref_grads) = results[0]
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, ref_loss, **TIGHT)
+        assert grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="fused_cross_entropy=False"):
+        GPTModel(cfg, 100, max_sequence_length=8, cross_entropy_chunk_size=5, fused_cross_entropy=False)
     return sorted(grads)
 
 
@@ -186,12 +195,13 @@ def _gpu_bf16():
     kwargs = dict(label_smoothing=0.1, vocab_size=vocab - 5)
     exact = _run(False, hidden.float(), weight.float(), None, target, weights, chunk_size=None, **kwargs)
     errors, peaks = {}, {}
-    for name, fused, kernels in (("unfused", False, False), ("torch", True, False), ("triton", True, True)):
+    for name, fused, kernels, chunk in (("unfused", False, False, None), ("torch", True, False, 1024),
+                                        ("triton", True, True, 1024), ("triton-whole", True, True, None)):
         with kernels_enabled(kernels):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            out = _run(fused, hidden, weight, None, target, weights, chunk_size=1024, **kwargs)
+            out = _run(fused, hidden, weight, None, target, weights, chunk_size=chunk, **kwargs)
             torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated() - base
         errors[name] = [_relative_error(x, e) for x, e in zip(out[:3], exact[:3])]
@@ -206,8 +216,8 @@ def test_gpu_bf16_fused_matches_unfused_in_less_memory():
         print(f"{name:8s} relative error vs float32 (loss, grad hidden, grad weight): "
               + ", ".join(f"{e:.2e}" for e in errors[name]) + f"; extra peak memory {peaks[name] / 2**20:.0f} MiB")
     assert have_triton, "Triton should be installed on the GPU machine"
-    for name in ("torch", "triton"):
+    for name in ("torch", "triton", "triton-whole"):
         for what, err, ref in zip(("loss", "grad hidden", "grad weight"), errors[name], errors["unfused"]):
             assert err < 1e-2 and err <= 2 * ref + 1e-4, (name, what, err, ref)
-        assert peaks[name] < peaks["unfused"] / 2
+        assert peaks[name] < peaks["unfused"] / (2 if name != "triton-whole" else 1.5)
     assert peaks["triton"] <= peaks["torch"]

@@ -1,0 +1,112 @@
+"""Compiled transformer layers: each layer's bodies ``torch.compile``d, as torchtitan compiles each block.
+
+Inductor fuses what eager PyTorch runs as separate memory-bound kernels: the norms, the rotary rotation
+(its angles included), SwiGLU/GeLU, dropout and the residual adds. The matmuls stay cuBLAS and
+attention stays SDPA's kernels, so the gain is the elementwise traffic.
+
+What is compiled: a layer's eager bodies (``_forward``, ``_attention_block``, ``_mlp_block``), bound on the
+instance, not the module's ``__call__``: the module tree and the state dict are unchanged (no ``_orig_mod``:
+a checkpoint saved compiled resumes eager and the reverse), and per-layer CUDA graphs capture the compiled
+code (their pieces take those bodies). The tensor-parallel collectives (autograd functions around c10d
+calls) are traced into the graph, so compiled layers work at every tensor-, sequence- and context-parallel
+size. An MoE layer compiles its attention block only: token dispatch reads counts on the host.
+
+Dropout is drawn by PyTorch's eager generator inside the graph (inductor's ``fallback_random``), so the masks
+are the eager ones: tensor-parallel ranks agree where they must and differ where they must, and a compiled
+run equals an eager one exactly in distribution and, on the CPU, bit for bit.
+
+Recompiles: all layers of one shape share one graph per body (the module is an input, not a constant). A new
+input shape (a ragged last batch, validation's other batch size) compiles once more with that dimension
+dynamic (``torch.compile``'s automatic dynamic shapes), and evaluation (no grad) has its own graph: a
+handful per body, within dynamo's ``recompile_limit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from torch import nn
+
+COMPILED_BODIES = ("_forward", "_attention_block", "_mlp_block")
+COMPILE_KEYS = ("backend", "mode", "options", "dynamic", "fullgraph")   # torch.compile's, passed through
+
+CompileLayers = Union[bool, str, Dict[str, Any], None]
+
+
+def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any]]:
+    """``compile_layers``: True, False, ``"auto"`` (None means ``"auto"``), or a dict of ``torch.compile``
+    keywords (compiled, with them: ``{"mode": "max-autotune-no-cudagraphs"}``, ``{"backend": "aot_eager"}``)."""
+    if value is None:
+        return "auto"
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(COMPILE_KEYS))
+        if unknown:
+            raise ValueError(f"compile_layers={value!r}: {unknown} are not torch.compile keywords this takes; use "
+                             f"{list(COMPILE_KEYS)}.")
+        return dict(value)
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"compile_layers={value!r} is not one of True, False, 'auto' (compile every transformer layer; "
+                     f"run them eagerly; compile on CUDA devices only) or a dict of torch.compile keywords.")
+
+
+def resolve_compile_layers(value: CompileLayers, device: torch.device) -> Optional[Dict[str, Any]]:
+    """The ``torch.compile`` keywords to compile the layers with, or None (eager). ``"auto"`` compiles on CUDA
+    (where it measures faster, see benchmarks/RESULTS.md), not on the CPU (compiling costs more than it saves
+    for the CPU's tiny test models)."""
+    value = check_compile_layers(value)
+    if isinstance(value, dict):
+        return value
+    on = device.type == "cuda" if value == "auto" else value
+    return {} if on else None
+
+
+def _uses_dropout(layer: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()) or \
+        getattr(getattr(getattr(layer, "attention", None), "config", None), "attention_dropout", 0.0) > 0
+
+
+def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> List[str]:
+    """Compile ``layer``'s bodies in place with ``torch.compile(**compile_kwargs)`` (see the module docstring);
+    returns the names compiled. A layer already compiled (bodies, or the module itself) is left as it is."""
+    from ..moe.layer import MoELayer
+
+    compiled: Optional[tuple] = getattr(layer, "compiled_bodies", None)
+    if compiled:
+        return list(compiled)
+    if getattr(layer, "_compiled_call_impl", None) is not None:   # module.compile() (Float8Config(compile_layers))
+        return []
+    moe = isinstance(getattr(layer, "mlp", None), MoELayer)
+    names = ["_attention_block"] if moe else list(COMPILED_BODIES)
+    kwargs = dict(compile_kwargs)
+    if kwargs.get("backend", "inductor") == "inductor" and _uses_dropout(layer):
+        # the eager generator's masks (see the module docstring)
+        kwargs["options"] = {"fallback_random": True, **(kwargs.get("options") or {})}
+    for name in names:
+        setattr(layer, name, torch.compile(getattr(layer, name), **kwargs))
+    layer.compiled_bodies = tuple(names)   # type: ignore[assignment]  # a plain attribute, not a submodule
+    return names
+
+
+def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
+    """Compile every ``TransformerLayer`` in ``model`` (see :func:`compile_layer`); returns how many."""
+    from .layer import TransformerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        compile_layer(layer, **compile_kwargs)
+    return len(layers)
+
+
+def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device) -> int:
+    """The strategy's ``compile_layers`` switch on ``model`` for ``device``: how many layers it compiled."""
+    kwargs = resolve_compile_layers(setting, device)
+    return 0 if kwargs is None else compile_layers(model, **kwargs)
+
+
+def uncompile_layer(layer: nn.Module) -> None:
+    """Undo :func:`compile_layer`: the bodies are the class's eager methods again."""
+    for name in getattr(layer, "compiled_bodies", ()):
+        delattr(layer, name)
+    layer.__dict__.pop("compiled_bodies", None)

@@ -1,0 +1,131 @@
+"""Compiled transformer layers (``transformer/compile.py``): the same numbers as eager, the same module tree.
+
+The layer matrix over every layout runs through the Trainer in test_strategy_updates.py (``*-compiled``, traced
+with ``aot_eager``); here inductor itself, at tensor parallel 2 with dropout on: the collectives and the two
+kinds of dropout masks (same on every tp rank outside the tensor-parallel regions, different inside) are
+traced into one graph and draw what eager draws.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_megatron.testing import run_on_ranks
+from lightning_megatron.transformer.compile import (apply_compile_layers, check_compile_layers, compile_layers,
+                                                   resolve_compile_layers, uncompile_layer)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, ["inductor"], {"backnd": "inductor"}])
+def test_bad_compile_layers_named(bad):
+    with pytest.raises(ValueError, match="compile_layers"):
+        check_compile_layers(bad)
+
+
+def test_auto_compiles_on_cuda_only():
+    assert resolve_compile_layers("auto", torch.device("cpu")) is None
+    assert resolve_compile_layers(None, torch.device("cuda", 0)) == {}
+    assert resolve_compile_layers(True, torch.device("cpu")) == {}
+    assert resolve_compile_layers(False, torch.device("cuda")) is None
+    assert resolve_compile_layers({"backend": "aot_eager"}, torch.device("cpu")) == {"backend": "aot_eager"}
+
+
+def _tiny_gpt(**overrides):
+    from lightning_megatron.models import GPTModel
+    from lightning_megatron.transformer import TransformerConfig
+
+    cfg = dict(num_layers=3, hidden_size=16, num_attention_heads=4, num_query_groups=2, activation="swiglu",
+               normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+               hidden_dropout=0.0, attention_dropout=0.0)
+    cfg.update(overrides)
+    return GPTModel(TransformerConfig(**cfg), 64, 8)
+
+
+def _state_dict_and_modules():
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+
+    ParallelState(ParallelLayout(1)).activate()
+    model = _tiny_gpt()
+    keys, modules = list(model.state_dict()), [name for name, _ in model.named_modules()]
+    assert apply_compile_layers(model, "auto", torch.device("cpu")) == 0   # auto: eager on the CPU
+    assert compile_layers(model, backend="eager") == 3
+    assert list(model.state_dict()) == keys                 # no _orig_mod: checkpoints load either way
+    assert [name for name, _ in model.named_modules()] == modules
+    layer = model.decoder.layers[0]
+    assert layer.compiled_bodies == ("_forward", "_attention_block", "_mlp_block")
+    first = layer._forward
+    assert compile_layers(model, backend="eager") == 3 and layer._forward is first   # twice: compiled once
+    uncompile_layer(layer)
+    assert "_forward" not in vars(layer) and not hasattr(layer, "compiled_bodies")
+    return True
+
+
+def test_compiled_model_keeps_its_state_dict_and_modules():
+    assert run_on_ranks(_state_dict_and_modules, 1, timeout=120) == [True]
+
+
+def _compiled_vs_eager(sequence_parallel):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+    from lightning_megatron.tensor_parallel.random import model_parallel_seed
+
+    state = ParallelState(ParallelLayout(dist.get_world_size(), tp=2)).activate()
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _tiny_gpt(sequence_parallel=sequence_parallel, hidden_dropout=0.2, attention_dropout=0.2)
+        if compiled:
+            compile_layers(model)
+        model_parallel_seed(7)   # the same masks to draw, both runs
+        loss = model(ids, labels=labels).mean()
+        loss.backward()
+        out[compiled] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                         dict(counters["stats"]), dict(counters["graph_break"]))
+    state.destroy()
+    return out
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_inductor_layers_equal_eager_with_dropout_under_tensor_parallel(sequence_parallel):
+    for out in run_on_ranks(_compiled_vs_eager, 2, sequence_parallel, timeout=400):
+        eager, compiled = out[False], out[True]
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+        for name, grad in eager[1].items():
+            torch.testing.assert_close(compiled[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert compiled[2]["unique_graphs"] >= 1
+        if sequence_parallel:   # one graph for all three layers, nothing left eager
+            assert compiled[2]["unique_graphs"] == 1 and not compiled[3], compiled
+
+
+def _fit_and_list_compiled(setting):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from helpers.strategy_utils import TinyGPT, TokenData
+    from lightning_megatron import MegatronStrategy
+    from lightning_megatron.transformer.layer import TransformerLayer
+
+    module = TinyGPT(layers=2)
+    kwargs = {} if setting == "default" else dict(compile_layers=setting)
+    trainer = L.Trainer(strategy=MegatronStrategy(**kwargs), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(TokenData(n=8), batch_size=4))
+    return [getattr(m, "compiled_bodies", None) for m in module.modules() if isinstance(m, TransformerLayer)]
+
+
+@pytest.mark.parametrize("setting,compiled", [("default", False), (False, False), ({"backend": "eager"}, True)])
+def test_strategy_compiles_the_layers_it_is_asked_to(setting, compiled):
+    bodies = run_on_ranks(_fit_and_list_compiled, 1, setting, timeout=120)[0]
+    assert len(bodies) == 2
+    assert all(b == (("_forward", "_attention_block", "_mlp_block") if compiled else None) for b in bodies), bodies
+
+
+def test_strategy_refuses_a_bad_compile_layers():
+    from lightning_megatron import MegatronStrategy
+
+    with pytest.raises(ValueError, match="compile_layers='always'"):
+        MegatronStrategy(compile_layers="always")
