@@ -51,15 +51,30 @@ def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any
                      f"run them eagerly; compile on CUDA devices only) or a dict of torch.compile keywords.")
 
 
-def resolve_compile_layers(value: CompileLayers, device: torch.device) -> Optional[Dict[str, Any]]:
-    """The ``torch.compile`` keywords to compile the layers with, or None (eager). ``"auto"`` compiles on CUDA
-    (where it measures faster, see benchmarks/RESULTS.md), not on the CPU (compiling costs more than it saves
-    for the CPU's tiny test models)."""
+def resolve_compile_layers(value: CompileLayers, device: torch.device, tp: int = 1, cp: int = 1,
+                           cuda_graph: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """The ``torch.compile`` keywords to compile the layers with, or None (eager).
+
+    ``"auto"`` compiles where it is measured faster and checked on GPUs: CUDA at tensor- and context-parallel
+    size 1 without the full-iteration CUDA graph (see benchmarks/RESULTS.md); elsewhere it runs eagerly. On the
+    CPU it does not compile (compiling costs more than it saves for the CPU's tiny test models). Asked for
+    explicitly on CUDA where GPUs have not confirmed it (tp or cp > 1: a float32 tp2 run diverged from eager at
+    its second step on two H200s; ``cuda_graph="full"``: the capture failed), it is refused with the fix; the
+    CPU (gloo) runs those layouts compiled and equal to eager (the tests)."""
     value = check_compile_layers(value)
-    if isinstance(value, dict):
-        return value
-    on = device.type == "cuda" if value == "auto" else value
-    return {} if on else None
+    on_cuda = device.type == "cuda"
+    unconfirmed = [what for what, bad in (("tensor_model_parallel_size > 1", tp > 1),
+                                          ("context_parallel_size > 1", cp > 1),
+                                          ("cuda_graph='full'", cuda_graph == "full")) if bad]
+    if value == "auto":
+        return {} if on_cuda and not unconfirmed else None
+    if value is False:
+        return None
+    if on_cuda and unconfirmed:
+        raise ValueError(f"compile_layers={value!r} on CUDA with {', '.join(unconfirmed)} is not confirmed equal to "
+                         f"eager on GPUs yet (issue #32): use compile_layers=False (or 'auto', which runs these "
+                         f"eagerly).")
+    return value if isinstance(value, dict) else {}
 
 
 def _uses_dropout(layer: nn.Module) -> bool:
@@ -99,9 +114,11 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     return len(layers)
 
 
-def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device) -> int:
-    """The strategy's ``compile_layers`` switch on ``model`` for ``device``: how many layers it compiled."""
-    kwargs = resolve_compile_layers(setting, device)
+def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, tp: int = 1, cp: int = 1,
+                         cuda_graph: Optional[str] = None) -> int:
+    """The strategy's ``compile_layers`` switch on ``model`` for ``device`` and the layout (see
+    :func:`resolve_compile_layers`): how many layers it compiled."""
+    kwargs = resolve_compile_layers(setting, device, tp, cp, cuda_graph)
     return 0 if kwargs is None else compile_layers(model, **kwargs)
 
 

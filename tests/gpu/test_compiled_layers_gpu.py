@@ -69,6 +69,9 @@ def test_compiled_bf16_trains_like_eager_bf16():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.xfail(strict=True, reason="issue #32: on two H200s (NCCL) the compiled tp2+sp run's second-step loss "
+                   "differed from eager by 0.75% (the CPU/gloo runs are exact); the strategy refuses compile_layers "
+                   "at tp > 1 on CUDA until this passes")
 def test_compiled_tp2_sp_equals_eager_float32():
     for (eager_losses, eager_grads), (losses, grads) in run_on_ranks(
             _compare, 2, torch.float32, 2, tp=2, sp=True, dropout=0.1, backend="nccl", timeout=600):

@@ -21,12 +21,25 @@ def test_bad_compile_layers_named(bad):
         check_compile_layers(bad)
 
 
-def test_auto_compiles_on_cuda_only():
-    assert resolve_compile_layers("auto", torch.device("cpu")) is None
-    assert resolve_compile_layers(None, torch.device("cuda", 0)) == {}
-    assert resolve_compile_layers(True, torch.device("cpu")) == {}
-    assert resolve_compile_layers(False, torch.device("cuda")) is None
-    assert resolve_compile_layers({"backend": "aot_eager"}, torch.device("cpu")) == {"backend": "aot_eager"}
+def test_auto_compiles_on_cuda_where_gpus_confirmed_it():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_compile_layers("auto", cpu) is None
+    assert resolve_compile_layers(None, cuda) == {}
+    assert resolve_compile_layers("auto", cuda, tp=2) is None          # not yet confirmed on GPUs: eager
+    assert resolve_compile_layers("auto", cuda, cp=2) is None
+    assert resolve_compile_layers("auto", cuda, cuda_graph="full") is None
+    assert resolve_compile_layers("auto", cuda, cuda_graph="partial") == {}
+    assert resolve_compile_layers(True, cpu, tp=2, cp=2, cuda_graph="full") == {}   # the CPU runs them (tests)
+    assert resolve_compile_layers(False, cuda) is None
+    assert resolve_compile_layers({"backend": "aot_eager"}, cpu) == {"backend": "aot_eager"}
+
+
+@pytest.mark.parametrize("layout,named", [(dict(tp=2), "tensor_model_parallel_size > 1"),
+                                          (dict(cp=2), "context_parallel_size > 1"),
+                                          (dict(cuda_graph="full"), "cuda_graph='full'")])
+def test_explicit_compile_where_gpus_have_not_confirmed_it_is_refused(layout, named):
+    with pytest.raises(ValueError, match=f"compile_layers=True on CUDA with {named}.*compile_layers=False"):
+        resolve_compile_layers(True, torch.device("cuda"), **layout)
 
 
 def _tiny_gpt(**overrides):
