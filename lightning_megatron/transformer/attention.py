@@ -75,7 +75,7 @@ class SelfAttention(nn.Module):
         self.layer_number = layer_number
         width = config.num_attention_heads * config.head_dim
         column: Dict[str, Any] = dict(
-            bias=config.add_bias_linear, init_method=init_method_normal(config.init_method_std),
+            bias=config.qkv_bias, init_method=init_method_normal(config.init_method_std),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         groups = config.query_groups
         if config.grouped_query_attention:

@@ -40,7 +40,8 @@ class TransformerConfig:
     ``position_embedding_type="rope"`` rotary embeddings (``rotary_base``, ``rotary_percent`` of
     each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3", ...}`` with Hugging
     Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: sequences
-    longer than it are refused, shorter ones need no window).
+    longer than it are refused, shorter ones need no window), ``add_qkv_bias`` (Qwen2: biases on the
+    query/key/value projections only).
 
     ``document_attention``: the kernel of attention within packed documents (``document_ids``):
     ``"auto"`` FlexAttention on CUDA without attention dropout and boolean-mask SDPA otherwise,
@@ -75,6 +76,8 @@ class TransformerConfig:
     rope_scaling: Optional[Dict[str, Any]] = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
     sliding_window: Optional[int] = None           # longest attention span (Mistral); longer sequences refused
     document_attention: str = "auto"               # packed rows' kernel: auto | flex | mask (documents.py)
+    add_qkv_bias: Optional[bool] = None            # biases on the query/key/value projections (Qwen2); None: as
+                                                   # add_bias_linear (the output projection follows add_bias_linear)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -112,8 +115,16 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.document_attention='flex' with attention_dropout="
                              f"{self.attention_dropout}: FlexAttention has no dropout; use document_attention='auto' "
                              f"or 'mask' (boolean-mask SDPA, with dropout), or attention_dropout=0.")
+        if self.add_qkv_bias not in (None, True, False):
+            raise ValueError(f"TransformerConfig.add_qkv_bias must be None (as add_bias_linear), True or False, got "
+                             f"{self.add_qkv_bias!r}.")
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query/key/value projections have biases."""
+        return self.add_bias_linear if self.add_qkv_bias is None else self.add_qkv_bias
 
     def _check_attention_shape(self) -> None:
         for name in ("num_query_groups", "kv_channels", "sliding_window"):

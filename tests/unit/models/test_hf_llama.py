@@ -42,6 +42,9 @@ FAMILIES = {
                      sliding_window=32)),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    # biases on q/k/v only (random here: transformers initialises them to zero), GQA 4:2, untied
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6)),
 }
 # (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
 LAYOUTS = {
@@ -49,6 +52,8 @@ LAYOUTS = {
               (2, 2, 1, None, 1)],
     "mistral": [(1, 1, 1, None, 1), (1, 2, 1, None, 1), (4, 1, 1, None, 1), (2, 2, 1, None, 1)],
     "mixtral": [(1, 1, 1, None, 1), (2, 2, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1)],
+    "qwen2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2),
+              (2, 2, 1, None, 1)],
 }
 
 
@@ -62,6 +67,10 @@ def families(tmp_path_factory):
     for kind, (config_cls, model_cls, extra) in FAMILIES.items():
         torch.manual_seed(1)
         model = model_cls(config_cls(**COMMON, **extra)).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    param.normal_(0.0, 0.5)
         path = str(tmp_path_factory.mktemp(kind))
         model.save_pretrained(path, max_shard_size="60KB")
         with torch.no_grad():
@@ -233,3 +242,34 @@ def test_partial_rotary_rotates_the_first_channels_only():
     assert torch.equal(out[..., 4:], x[..., 4:])
     torch.testing.assert_close(out[..., :4], x[..., :4] * cos + rotate_half(x[..., :4]) * sin)
     assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), atol=1e-5)   # a rotation
+
+
+def _one_sgd_step_like_transformers(path, ids, labels, export_to):
+    """One SGD step of the imported model and of transformers' own on the same batch; our updated weights, exported,
+    must equal transformers' updated ones (every gradient, q/k/v biases included, went the same way)."""
+    from lightning_megatron.models.hf_llama import llama_from_hf
+
+    ParallelState(ParallelLayout(1)).activate()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).float().train()
+    ours = llama_from_hf(path).train()
+    hf(ids, labels=ids).loss.backward()
+    per_token = ours(ids, labels=labels)
+    (per_token.sum() / (labels != -100).sum()).backward()
+    for model in (hf, ours):
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+    save_hf_llama(ours, export_to)
+    return {name: (tensor, load_hf_state(export_to)[name]) for name, tensor in hf.state_dict().items()
+            if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_one_training_step_equals_transformers(families, kind, tmp_path):
+    fam = families[kind]
+    pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],
+                         str(tmp_path / "after"), timeout=120)[0]
+    original = load_hf_state(fam["path"])
+    moved = 0
+    for name, (theirs, ours) in pairs.items():
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        moved += not torch.equal(theirs, original[name])
+    assert moved == len(pairs)   # every tensor took a step (lr 1: a gradient left out would show)
