@@ -1,7 +1,8 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
 
-Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``); its biases are laid out
-as the weights' rows. Its sliding-window layers (``use_sliding_window``) are refused.
+Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
+rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding-window layers
+(``use_sliding_window``) are refused.
 
 Import (``load_hf_llama``, ``llama_from_hf``): every rank opens the safetensors files (one
 ``model.safetensors`` or the shards of ``model.safetensors.index.json``) and reads, with
@@ -42,8 +43,10 @@ if TYPE_CHECKING:
     from ..moe.experts import GroupedMLP
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QKV_BIAS_FAMILIES = ("qwen2",)   # biases on q/k/v only (Hugging Face's Qwen2Attention), none elsewhere
+QK_NORM_FAMILIES = ("qwen3",)    # RMSNorm over each head's queries and keys (q_norm / k_norm)
+WINDOWED_FAMILIES = ("mistral", "mixtral")   # sliding_window applies to every layer
 Segments = List[Tuple[Optional[str], int, int]]   # (HF name or None for zeros, first row, end row)
 
 
@@ -91,9 +94,9 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"{key}=true in config.json is not supported (Llama-family layers have no biases).")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=true in config.json (Qwen2 sliding-window layers from "
-                         "max_window_layers on) is not supported; import with use_sliding_window=false.")
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window=true in config.json ({model_type} sliding-window layers from "
+                         f"max_window_layers on) is not supported; import with use_sliding_window=false.")
     rope_params = hf.get("rope_parameters") or {}
     if (rope_params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 in config.json is not supported for Llama-family models.")
@@ -108,8 +111,9 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
         ffn_hidden_size=hf["intermediate_size"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         attention_dropout=hf.get("attention_dropout", 0.0) or 0.0, init_method_std=hf.get("initializer_range", 0.02),
         rotary_base=base, rope_scaling=scaling,
-        sliding_window=hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
+        sliding_window=hf.get("sliding_window") if model_type in WINDOWED_FAMILIES else None,
         add_qkv_bias=True if model_type in QKV_BIAS_FAMILIES else None,
+        qk_layernorm=model_type in QK_NORM_FAMILIES,
     )
     if model_type == "mixtral":
         from ..moe import MoEConfig
@@ -138,7 +142,7 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     c = model.config
     if model_type is None:
         model_type = "mixtral" if c.moe is not None else (base or {}).get("model_type") or (
-            "qwen2" if c.qkv_bias else "mistral" if c.sliding_window else "llama")
+            "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias else "mistral" if c.sliding_window else "llama")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}.")
     if c.qkv_bias != (model_type in QKV_BIAS_FAMILIES) or c.add_bias_linear:
@@ -146,7 +150,11 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
         raise ValueError(f"model_type={model_type!r} describes a model {described} query/key/value biases and no "
                          f"other biases, but this model has add_qkv_bias="
                          f"{c.qkv_bias}, add_bias_linear={c.add_bias_linear}; use model_type='qwen2' for q/k/v "
-                         f"biases or 'llama'/'mistral'/'mixtral' for none.")
+                         f"biases or 'llama'/'mistral'/'mixtral'/'qwen3' for none.")
+    if c.qk_layernorm != (model_type in QK_NORM_FAMILIES):
+        raise ValueError(f"model_type={model_type!r} {'has' if model_type in QK_NORM_FAMILIES else 'has no'} query/key "
+                         f"norms, but this model has qk_layernorm={c.qk_layernorm}; use model_type='qwen3' for "
+                         f"query/key norms or another family for none.")
     rope = {"rope_type": "default", "rope_theta": c.rotary_base}
     if c.rope_scaling is not None:
         rope.update(c.rope_scaling)
@@ -168,11 +176,13 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
         out["rope_scaling"] = dict(c.rope_scaling)
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         if c.sliding_window:
-            raise ValueError("model_type='qwen2' export of a model with sliding_window is not supported (Qwen2's "
-                             "window applies from max_window_layers on); export with sliding_window=None.")
+            raise ValueError(f"model_type={model_type!r} export of a model with sliding_window is not supported (its "
+                             f"window applies from max_window_layers on); export with sliding_window=None.")
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
+        if model_type == "qwen3":
+            out.update(attention_bias=False)
     else:
         out["sliding_window"] = c.sliding_window
     if model_type == "mixtral":
@@ -250,6 +260,8 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
         if c.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (groups * d,),
                            p + "self_attn.v_proj.bias": (groups * d,)})
+        if c.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if c.moe is not None and i % c.moe_layer_freq == 0:
             m, f = c.moe, c.moe.ffn_hidden_size
             shapes[p + "block_sparse_moe.gate.weight"] = (m.num_experts, h)
@@ -289,6 +301,8 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
         return [(f"{attn}q_proj.{kind}", 0, heads * d)], 0
     if rest in ("attention.kv.weight", "attention.kv.bias"):   # group by group: [k_g; v_g]
         return [(f"{attn}{x}_proj.{kind}", g * d, (g + 1) * d) for g in range(groups) for x in "kv"], 0
+    if rest in ("attention.q_norm.weight", "attention.k_norm.weight"):   # one weight for every head
+        return [(f"{attn}{rest.split('.')[1]}.weight", 0, d)], 0
     if rest == "attention.proj.weight":
         return [(attn + "o_proj.weight", 0, heads * d)], 1
     if rest == "attention_norm.weight":

@@ -38,6 +38,7 @@ from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_fr
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
 from .documents import DocumentMask, document_attention
+from .norm import build_norm
 from .rotary import RotaryEmbedding, apply_rotary
 
 
@@ -92,6 +93,14 @@ class SelfAttention(nn.Module):
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling)
                        if config.position_embedding_type == "rope" else None)
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
+        if config.qk_layernorm:   # over each head's channels; the weight is shared by all heads, so by all tp ranks
+            self.q_norm, self.k_norm = build_norm(config, config.head_dim), build_norm(config, config.head_dim)
+            for norm in (self.q_norm, self.k_norm):
+                for param in norm.parameters():
+                    # each tp rank's heads give a partial gradient: summed over tp like sequence-parallel norms
+                    param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute
 
     def _project(self, hidden: torch.Tensor):
         """``q [b, heads/tp, s, d]``, ``k``/``v`` ``[b, kv heads of this rank, s, d]``."""
@@ -127,6 +136,8 @@ class SelfAttention(nn.Module):
         default: their global positions. ``document_ids [b, s]`` (this cp rank's slice, or the block's
         ``DocumentMask`` of them): packed documents, which attention does not cross."""
         q, k, v = self._project(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         b, s = q.shape[0], q.shape[2]
         documents = None if document_ids is None else DocumentMask.of(document_ids)
         if documents is not None:   # before any collective: a wrong shape is the caller's, on every rank

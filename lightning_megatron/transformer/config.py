@@ -41,7 +41,8 @@ class TransformerConfig:
     each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3", ...}`` with Hugging
     Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: sequences
     longer than it are refused, shorter ones need no window), ``add_qkv_bias`` (Qwen2: biases on the
-    query/key/value projections only).
+    query/key/value projections only), ``qk_layernorm`` (Qwen3, OLMo-2 style: ``normalization`` over each
+    head's query and key channels, one weight of ``head_dim`` shared by the heads, before the rotation).
 
     ``document_attention``: the kernel of attention within packed documents (``document_ids``):
     ``"auto"`` FlexAttention on CUDA without attention dropout and boolean-mask SDPA otherwise,
@@ -78,6 +79,7 @@ class TransformerConfig:
     document_attention: str = "auto"               # packed rows' kernel: auto | flex | mask (documents.py)
     add_qkv_bias: Optional[bool] = None            # biases on the query/key/value projections (Qwen2); None: as
                                                    # add_bias_linear (the output projection follows add_bias_linear)
+    qk_layernorm: bool = False                     # normalize each head's queries and keys before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -115,6 +117,8 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.document_attention='flex' with attention_dropout="
                              f"{self.attention_dropout}: FlexAttention has no dropout; use document_attention='auto' "
                              f"or 'mask' (boolean-mask SDPA, with dropout), or attention_dropout=0.")
+        if not isinstance(self.qk_layernorm, bool):
+            raise ValueError(f"TransformerConfig.qk_layernorm must be True or False, got {self.qk_layernorm!r}.")
         if self.add_qkv_bias not in (None, True, False):
             raise ValueError(f"TransformerConfig.add_qkv_bias must be None (as add_bias_linear), True or False, got "
                              f"{self.add_qkv_bias!r}.")

@@ -168,3 +168,25 @@ def test_trained_checkpoint_exports_to_transformers(tmp_path):
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.num_key_value_heads == 2
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+# Qwen-style attention: q/k/v biases and per-head query/key norms, whose one weight serves every tp rank's heads
+# (its gradient is a sum over tp: a missing reduction shows at tp4 and under sequence parallelism)
+QWEN = dict(add_qkv_bias=True, qk_layernorm=True)
+QWEN_LAYOUTS = {
+    "tp4": (4, dict(tensor_model_parallel_size=4)),
+    "tp2cp2sp": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_reference():
+    return run_on_ranks(fit_and_record, 1, dict(), module_cls=TinyLlama, module_kwargs=QWEN, timeout=120)[0]
+
+
+@pytest.mark.parametrize("name", list(QWEN_LAYOUTS))
+def test_qwen_attention_updates_match_single_process(qwen_reference, name):
+    world, kwargs = QWEN_LAYOUTS[name]
+    out = run_on_ranks(fit_and_record, world, kwargs, module_cls=TinyLlama, module_kwargs=QWEN, timeout=240)
+    assert any("q_norm" in key for key in out[0]["params"][0])
+    assert_same_updates(out[0]["params"], qwen_reference["params"])

@@ -45,6 +45,9 @@ FAMILIES = {
     # biases on q/k/v only (random here: transformers initialises them to zero), GQA 4:2, untied
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
               dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6)),
+    # query/key RMSNorms per head (random weights here), head_dim 32 != 64/4, tied embeddings
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
 }
 # (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
 LAYOUTS = {
@@ -54,6 +57,7 @@ LAYOUTS = {
     "mixtral": [(1, 1, 1, None, 1), (2, 2, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1)],
     "qwen2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2),
               (2, 2, 1, None, 1)],
+    "qwen3": [(1, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
 }
 
 
@@ -69,8 +73,8 @@ def families(tmp_path_factory):
         model = model_cls(config_cls(**COMMON, **extra)).eval()
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("proj.bias"):
-                    param.normal_(0.0, 0.5)
+                if name.endswith(("proj.bias", "q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
         path = str(tmp_path_factory.mktemp(kind))
         model.save_pretrained(path, max_shard_size="60KB")
         with torch.no_grad():
@@ -262,7 +266,7 @@ def _one_sgd_step_like_transformers(path, ids, labels, export_to):
             if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_one_training_step_equals_transformers(families, kind, tmp_path):
     fam = families[kind]
     pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],
