@@ -220,7 +220,7 @@ MUTATIONS: List[Mutation] = [
     Mutation("whole-logits-loss-grad-unscaled", "lightning_megatron/tensor_parallel/fused_cross_entropy.py",
              "torch.mm(grad_logits, weight[:real]).to(torch.float32).mul_(g)",
              "torch.mm(grad_logits, weight[:real]).to(torch.float32)",
-             ("tests/unit/tensor_parallel/test_fused_cross_entropy.py::test_matches_unfused[1]",)),
+             ("tests/unit/tensor_parallel/test_fused_cross_entropy.py::test_matches_unfused[1]",), ci=False),
     # query/key norms: their one weight serves every tp rank's heads; the gradient left unsummed over tp
     Mutation("qk-norm-grads-not-summed-over-tp", "lightning_megatron/transformer/attention.py",
              "                    param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute",
