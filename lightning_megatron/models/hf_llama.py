@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -124,6 +125,14 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
             score_function="softmax", pre_softmax=False, capacity_factor=None,
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0)
         fields["moe_layer_freq"] = 1
+        if fields["moe"].aux_loss_coeff and "moe" not in overrides:
+            warnings.warn(
+                f"config.json asks for transformers' load-balancing loss (output_router_logits=true, "
+                f"router_aux_loss_coef={hf.get('router_aux_loss_coef')}); the import trains with Megatron's per-layer "
+                f"balancing loss at that coefficient instead (summed over layers, not transformers' loss pooled over "
+                f"all layers' router logits), so a training step differs from transformers' own. Pass "
+                f"config_overrides={{'moe': MoEConfig(...)}} to choose the loss explicitly (this warning then goes).",
+                UserWarning, stacklevel=2)
     fields.update(overrides)
     return TransformerConfig(**fields)
 
