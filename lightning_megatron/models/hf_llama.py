@@ -77,8 +77,10 @@ def _rope(hf: dict) -> Tuple[float, Optional[dict]]:
     if kind == "default":
         return float(base), None
     params["rope_type"] = kind
-    if kind == "llama3":
+    if kind in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if kind == "yarn" and params.get("factor") is None:   # transformers: the context's growth
+        params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
     return float(base), params
 
 

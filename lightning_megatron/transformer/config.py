@@ -20,7 +20,10 @@ DOCUMENT_ATTENTION = ("auto", "flex", "mask")   # kernels of attention within pa
 ROPE_SCALINGS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+# keys a type may have besides those it needs (transformers' defaults apply when absent)
+ROPE_SCALING_OPTIONS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
 # why each size must divide by the tensor-parallel size (said in the error)
 HEADS_SPLIT = "each tensor-parallel rank holds whole heads"
 FFN_SPLIT = "each tensor-parallel rank holds an equal slice of the MLP's hidden units"
@@ -38,7 +41,7 @@ class TransformerConfig:
     Llama-family options: ``num_query_groups`` key/value heads (grouped-query attention; None: one
     per query head), ``kv_channels`` the head size when it is not ``hidden_size / heads``,
     ``position_embedding_type="rope"`` rotary embeddings (``rotary_base``, ``rotary_percent`` of
-    each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3", ...}`` with Hugging
+    each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3" | "yarn", ...}`` with Hugging
     Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: sequences
     longer than it are refused, shorter ones need no window), ``add_qkv_bias`` (Qwen2: biases on the
     query/key/value projections only), ``qk_layernorm`` (Qwen3, OLMo-2 style: ``normalization`` over each
@@ -251,6 +254,7 @@ def check_rope_scaling(scaling: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if scaling["factor"] <= 0:
         raise ValueError(f"TransformerConfig.rope_scaling['factor'] must be positive, got {scaling['factor']}.")
     out = {key: scaling[key] for key in ROPE_SCALINGS[kind]}
+    out.update({key: scaling[key] for key in ROPE_SCALING_OPTIONS.get(kind, ()) if scaling.get(key) is not None})
     out["rope_type"] = kind
     return out
 

@@ -4,8 +4,9 @@ Each head's first ``rotary_dim`` channels are rotated in the "rotate half" conve
 ``i`` pairs with ``i + rotary_dim/2``, not with its neighbour), by angles ``position · inv_freq``;
 the remaining channels pass through. ``inv_freq`` is ``base^(-2i/rotary_dim)``, optionally
 rescaled (``rope_scaling``: ``"linear"`` divides every frequency by ``factor``, ``"llama3"`` only
-the low ones, smoothly), computed on the CPU in float32 exactly as ``transformers`` does, so an
-imported model gives Hugging Face's numbers.
+the low ones, smoothly, ``"yarn"`` the low ones along a ramp, and scales cos/sin by its attention factor),
+computed on the CPU in float32 exactly as ``transformers`` does, so an imported model gives Hugging Face's
+numbers.
 
 Positions are global token positions. ``SelfAttention`` rotates its queries and keys once it has
 the whole (context-parallel local) sequence: under sequence parallelism that is after the
@@ -37,6 +38,8 @@ def rope_inverse_frequencies(rotary_dim: int, base: float = 10000.0,
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inverse_frequencies(rotary_dim, base, scaling)
     # llama3: keep high frequencies, divide low ones by factor, interpolate in between
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
@@ -47,6 +50,44 @@ def rope_inverse_frequencies(rotary_dim: int, base: float = 10000.0,
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inverse_frequencies(rotary_dim: int, base: float, scaling: Dict[str, Any]) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): high frequencies kept, low ones divided by ``factor``, a linear ramp between
+    the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the original context (transformers'
+    formulas and defaults, in the same float32 operations)."""
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_of(rotations: float) -> float:
+        return (rotary_dim * math.log(old_context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp                                                     # 1: the frequency extrapolates as it was
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(dtype=torch.float) / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_factor(scaling: Optional[Dict[str, Any]]) -> float:
+    """What cos/sin are multiplied by: YaRN's ``attention_factor`` (given, or from ``factor``/``mscale``), else 1."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim))
+    return mscale_of(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +118,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         # a plain float32 CPU tensor, not a buffer: ``model.to(torch.bfloat16)`` must not round it
         self.inv_freq = rope_inverse_frequencies(rotary_dim, base, scaling)
+        self.attention_factor = rope_attention_factor(scaling)   # YaRN scales cos and sin; 1 otherwise
         self._cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +129,8 @@ class RotaryEmbedding(nn.Module):
                 self.inv_freq = inv_freq
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype,

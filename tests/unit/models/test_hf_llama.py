@@ -24,7 +24,7 @@ from lightning_megatron.models.llama import LlamaModel
 from lightning_megatron.parallel import ParallelLayout, ParallelState
 from lightning_megatron.pipeline import VirtualChunks, forward_backward
 from lightning_megatron.testing import run_on_ranks
-from lightning_megatron.transformer.rotary import rope_inverse_frequencies
+from lightning_megatron.transformer.rotary import rope_attention_factor, rope_inverse_frequencies
 from helpers.tp_utils import gather
 
 VOCAB, SEQ, BATCH = 100, 16, 2
@@ -44,7 +44,9 @@ FAMILIES = {
                 dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     # biases on q/k/v only (random here: transformers initialises them to zero), GQA 4:2, untied
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6)),
+              dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False,
+                   rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                        original_max_position_embeddings=8))),
     # query/key RMSNorms per head (random weights here), head_dim 32 != 64/4, tied embeddings
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
@@ -185,6 +187,11 @@ def load_hf_state(path):
     dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
     dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
          original_max_position_embeddings=8192),
+    dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768),
+    dict(rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=4096, beta_fast=16,
+         beta_slow=2, mscale=0.707, mscale_all_dim=1.0, truncate=False),
+    dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=2048,
+         attention_factor=1.25),
 ])
 def test_rope_frequencies_are_transformers_bit_for_bit(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -196,7 +203,8 @@ def test_rope_frequencies_are_transformers_bit_for_bit(rope):
         theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(
             hf_config)[0]
     else:
-        theirs = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")[0]
+        theirs, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+        assert rope_attention_factor(config.rope_scaling) == factor
     assert torch.equal(ours, theirs)
 
 
@@ -218,7 +226,10 @@ def test_errors_name_the_field():
 
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by num_query_groups=3"):
         TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=3)
-    with pytest.raises(ValueError, match=r"rope_scaling\['rope_type'\]='yarn' is not supported"):
+    with pytest.raises(ValueError, match=r"rope_scaling\['rope_type'\]='longrope' is not supported"):
+        TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, position_embedding_type="rope",
+                          rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type 'yarn' needs .*missing \['original_max_position_embeddings'\]"):
         TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, position_embedding_type="rope",
                           rope_scaling={"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match=r"needs \['factor', 'low_freq_factor'.*missing \['high_freq_factor'"):
