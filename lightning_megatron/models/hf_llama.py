@@ -1,8 +1,9 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Phi-3 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
 rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding-window layers
-(``use_sliding_window``) are refused.
+(``use_sliding_window``) are refused. Phi-3 fuses q/k/v into one ``qkv_proj`` (all query rows, then key, then
+value) and gate/up into ``gate_up_proj``: segments of one tensor, read the same way.
 
 Import (``load_hf_llama``, ``llama_from_hf``): every rank opens the safetensors files (one
 ``model.safetensors`` or the shards of ``model.safetensors.index.json``) and reads, with
@@ -44,10 +45,11 @@ if TYPE_CHECKING:
     from ..moe.experts import GroupedMLP
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
 QKV_BIAS_FAMILIES = ("qwen2",)   # biases on q/k/v only (Hugging Face's Qwen2Attention), none elsewhere
 QK_NORM_FAMILIES = ("qwen3",)    # RMSNorm over each head's queries and keys (q_norm / k_norm)
-WINDOWED_FAMILIES = ("mistral", "mixtral")   # sliding_window applies to every layer
+WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
 Segments = List[Tuple[Optional[str], int, int]]   # (HF name or None for zeros, first row, end row)
 
 
@@ -162,6 +164,10 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
                          f"other biases, but this model has add_qkv_bias="
                          f"{c.qkv_bias}, add_bias_linear={c.add_bias_linear}; use model_type='qwen2' for q/k/v "
                          f"biases or 'llama'/'mistral'/'mixtral'/'qwen3' for none.")
+    if model_type in FUSED_FAMILIES and (not _fused(model) or c.query_groups != c.num_attention_heads):
+        raise ValueError(f"model_type={model_type!r} export needs a model imported from a {model_type} checkpoint "
+                         f"(its fused qkv_proj/gate_up_proj layout) with as many key/value heads as query heads; "
+                         f"this one has {c.query_groups} of {c.num_attention_heads}: export as 'llama' instead.")
     if c.qk_layernorm != (model_type in QK_NORM_FAMILIES):
         raise ValueError(f"model_type={model_type!r} {'has' if model_type in QK_NORM_FAMILIES else 'has no'} query/key "
                          f"norms, but this model has qk_layernorm={c.qk_layernorm}; use model_type='qwen3' for "
@@ -265,8 +271,12 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
         shapes["lm_head.weight"] = (model.vocab_size, h)
     for i in range(c.num_layers):
         p = _hf_layer(i)
-        shapes.update({p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (groups * d, h),
-                       p + "self_attn.v_proj.weight": (groups * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
+        if _fused(model):
+            shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * groups) * d, h)
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (groups * d, h),
+                           p + "self_attn.v_proj.weight": (groups * d, h)})
+        shapes.update({p + "self_attn.o_proj.weight": (h, heads * d),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
         if c.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (groups * d,),
@@ -279,6 +289,8 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
             for e in range(m.num_experts):
                 q = f"{p}block_sparse_moe.experts.{e}."
                 shapes.update({q + "w1.weight": (f, h), q + "w3.weight": (f, h), q + "w2.weight": (h, f)})
+        elif _fused(model):
+            shapes.update({p + "mlp.gate_up_proj.weight": (2 * ffn, h), p + "mlp.down_proj.weight": (h, ffn)})
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
                            p + "mlp.down_proj.weight": (h, ffn)})
@@ -305,6 +317,10 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
         raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
     p, rest = _hf_layer(int(match[1])), match[2]
     attn = p + "self_attn."
+    if _fused(model):
+        fused = _fused_segments(rest, attn, p, c)
+        if fused is not None:
+            return fused
     kind = rest.rsplit(".", 1)[-1]   # the projections' weights and (Qwen2) biases share their row layout
     if rest in ("attention.qkv.weight", "attention.qkv.bias"):   # head by head: [q_i; k_i; v_i]
         return [(f"{attn}{x}_proj.{kind}", i * d, (i + 1) * d) for i in range(heads) for x in "qkv"], 0
@@ -328,6 +344,29 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
         assert c.moe is not None   # only MoE layers have a router
         return [(p + "block_sparse_moe.gate.weight", 0, c.moe.num_experts)], 0
     raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
+
+
+def _fused(model: GPTModel) -> bool:
+    """Whether the model came from (or exports to) a family whose projections Hugging Face fuses (Phi-3)."""
+    return (getattr(model, "hf_config", None) or {}).get("model_type") in FUSED_FAMILIES
+
+
+def _fused_segments(rest: str, attn: str, p: str, c: TransformerConfig) -> Optional[Tuple[Segments, int]]:
+    """Phi-3's fused tensors: ``qkv_proj`` rows are all query heads, then all key heads, then all value heads;
+    ``gate_up_proj`` is gate then up, our ``fc1`` exactly."""
+    d, heads, groups = c.head_dim, c.num_attention_heads, c.query_groups
+    q0, k0, v0 = 0, heads * d, (heads + groups) * d
+    qkv = attn + "qkv_proj.weight"
+    if rest == "attention.qkv.weight":   # ours head by head: [q_i; k_i; v_i]
+        return [(qkv, start + i * d, start + (i + 1) * d) for i in range(heads) for start in (q0, k0, v0)], 0
+    if rest == "attention.q.weight":
+        return [(qkv, q0, k0)], 0
+    if rest == "attention.kv.weight":    # ours group by group: [k_g; v_g]
+        return [(qkv, start + g * d, start + (g + 1) * d) for g in range(groups) for start in (k0, v0)], 0
+    if rest == "mlp.fc1.weight":
+        assert c.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
+        return [(p + "mlp.gate_up_proj.weight", 0, 2 * c.ffn_hidden_size)], 0
+    return None
 
 
 def _expert_segments(name: str, expert: int, model: GPTModel) -> Tuple[Segments, int]:
@@ -410,6 +449,7 @@ def load_hf_llama(module: nn.Module, path: Union[str, os.PathLike]) -> int:
     reader = SafetensorsSlices(path)
     try:
         for chunk in gpt_chunks(module):
+            chunk.hf_config = read_hf_config(path)   # the family's tensor layout; the export keeps its other keys
             expected = expected_hf_shapes(chunk)
             names = global_names(chunk)
             for local_name, param in chunk.named_parameters():
@@ -433,7 +473,6 @@ def load_hf_llama(module: nn.Module, path: Union[str, os.PathLike]) -> int:
                     raise ValueError(f"{name}: the checkpoint gives this rank shape {tuple(local.shape)} but the "
                                      f"parameter is {tuple(param.shape)}; check that config.json matches the weights.")
                 param.copy_(local.to(param.dtype))
-            chunk.hf_config = read_hf_config(path)   # the export keeps its other keys (token ids, ...)
     finally:
         reader.close()
     return reader.elements_read
@@ -565,11 +604,14 @@ def save_hf_llama(module: nn.Module, out_dir: Union[str, os.PathLike], max_shard
 
     ``max_shard_size``: the largest safetensors file (bytes or ``"5GB"``); more than one file comes
     with ``model.safetensors.index.json``. ``dtype``: the tensors' dtype on disk (default: the
-    parameters'). ``model_type``: ``"llama"``, ``"mistral"`` or ``"mixtral"`` (default: the imported
-    checkpoint's, else mixtral for MoE models and llama otherwise).
+    parameters'). ``model_type``: one of ``ARCHITECTURES`` (default: the imported checkpoint's, else mixtral for
+    MoE models, qwen3 / qwen2 for q/k norms / q/k/v biases, mistral with a window, llama otherwise); a type that
+    does not describe the model is refused on every rank before anything is written.
     """
     state = get_parallel_state()
     chunks = gpt_chunks(module)
+    # checked on every rank before any collective (every stage describes the same model): one error everywhere
+    config = hf_config_of(chunks[-1], model_type, dtype, getattr(chunks[-1], "hf_config", None))
     rank = dist.get_rank()
     writer = state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0   # one rank per stage
     writers: List[Any] = [None] * dist.get_world_size()
@@ -604,6 +646,5 @@ def save_hf_llama(module: nn.Module, out_dir: Union[str, os.PathLike], max_shard
                 assert sink is not None
                 sink.add(hf_name, buffer.cpu())
     if sink is not None:   # rank 0
-        last = chunks[-1]
-        sink.finish(hf_config_of(last, model_type, dtype, getattr(last, "hf_config", None)))
+        sink.finish(config)
     dist.barrier()

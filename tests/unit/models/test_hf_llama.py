@@ -50,6 +50,9 @@ FAMILIES = {
     # query/key RMSNorms per head (random weights here), head_dim 32 != 64/4, tied embeddings
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+    # Hugging Face's fused qkv_proj ([all q; all k; all v]) and gate_up_proj, one key/value head per query head
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
+             dict(num_hidden_layers=2, num_key_value_heads=4, pad_token_id=0)),
 }
 # (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
 LAYOUTS = {
@@ -60,6 +63,7 @@ LAYOUTS = {
     "qwen2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2),
               (2, 2, 1, None, 1)],
     "qwen3": [(1, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
+    "phi3": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (2, 2, 1, None, 1)],
 }
 
 
@@ -277,7 +281,7 @@ def _one_sgd_step_like_transformers(path, ids, labels, export_to):
             if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_one_training_step_equals_transformers(families, kind, tmp_path):
     fam = families[kind]
     pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],
@@ -306,3 +310,36 @@ def test_mixtral_balancing_loss_difference_is_said():
         chosen = MoEConfig(hidden_size=64, ffn_hidden_size=96, num_experts=4, topk=2, aux_loss_coeff=0.01)
         assert config_from_hf(hf, moe=chosen).moe.aux_loss_coeff == 0.01   # chosen explicitly
 
+
+
+def _phi3_grouped(path, ids, ref_logits, export_to):
+    ParallelState(ParallelLayout(dist.get_world_size(), tp=dist.get_world_size())).activate()
+    from lightning_megatron.models.hf_llama import llama_from_hf
+
+    model = llama_from_hf(path).eval()
+    with torch.no_grad():
+        logits = gather(model(ids), -1, get_state())[..., :VOCAB]
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="phi3' export needs .* as many key/value heads as query heads"):
+        save_hf_llama(model, export_to)
+    return True
+
+
+def get_state():
+    from lightning_megatron.parallel import get_parallel_state
+
+    return get_parallel_state()
+
+
+def test_phi3_with_grouped_query_attention_imports_and_refuses_its_export(tmp_path):
+    """Phi-3-medium's shape: 4 query heads over 2 key/value heads in the fused qkv_proj; at tp2 each rank slices its
+    query rows and its group's key and value rows out of the one tensor."""
+    torch.manual_seed(2)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2,
+                                                             pad_token_id=0)).eval()
+    hf.save_pretrained(str(tmp_path / "phi3"))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert run_on_ranks(_phi3_grouped, 2, str(tmp_path / "phi3"), ids, ref, str(tmp_path / "out"), timeout=120) == \
+        [True, True]
