@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Phi-3 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Phi-3 checkpoints in and out of a ``LlamaModel``
+at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
 rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding-window layers
@@ -274,7 +275,8 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
         if _fused(model):
             shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * groups) * d, h)
         else:
-            shapes.update({p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (groups * d, h),
+            shapes.update({p + "self_attn.q_proj.weight": (heads * d, h),
+                           p + "self_attn.k_proj.weight": (groups * d, h),
                            p + "self_attn.v_proj.weight": (groups * d, h)})
         shapes.update({p + "self_attn.o_proj.weight": (h, heads * d),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
