@@ -82,14 +82,19 @@ def _uses_dropout(layer: nn.Module) -> bool:
         getattr(getattr(getattr(layer, "attention", None), "config", None), "attention_dropout", 0.0) > 0
 
 
+def compiled_bodies(layer: nn.Module) -> List[str]:
+    """The bodies compiled on this instance: those it holds as attributes of its own (the class has the eager ones)."""
+    return [name for name in COMPILED_BODIES if name in vars(layer)]
+
+
 def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> List[str]:
     """Compile ``layer``'s bodies in place with ``torch.compile(**compile_kwargs)`` (see the module docstring);
     returns the names compiled. A layer already compiled (bodies, or the module itself) is left as it is."""
     from ..moe.layer import MoELayer
 
-    compiled: Optional[tuple] = getattr(layer, "compiled_bodies", None)
+    compiled = compiled_bodies(layer)
     if compiled:
-        return list(compiled)
+        return compiled
     if getattr(layer, "_compiled_call_impl", None) is not None:   # module.compile() (Float8Config(compile_layers))
         return []
     moe = isinstance(getattr(layer, "mlp", None), MoELayer)
@@ -100,7 +105,6 @@ def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> List[str]:
         kwargs["options"] = {"fallback_random": True, **(kwargs.get("options") or {})}
     for name in names:
         setattr(layer, name, torch.compile(getattr(layer, name), **kwargs))
-    layer.compiled_bodies = tuple(names)   # type: ignore[assignment]  # a plain attribute, not a submodule
     return names
 
 
@@ -124,6 +128,5 @@ def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch
 
 def uncompile_layer(layer: nn.Module) -> None:
     """Undo :func:`compile_layer`: the bodies are the class's eager methods again."""
-    for name in getattr(layer, "compiled_bodies", ()):
+    for name in compiled_bodies(layer):
         delattr(layer, name)
-    layer.__dict__.pop("compiled_bodies", None)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_megatron.testing import run_on_ranks
 from lightning_megatron.transformer.compile import (apply_compile_layers, check_compile_layers, compile_layers,
-                                                   resolve_compile_layers, uncompile_layer)
+                                                   compiled_bodies, resolve_compile_layers, uncompile_layer)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0, ["inductor"], {"backnd": "inductor"}])
@@ -64,11 +64,11 @@ def _state_dict_and_modules():
     assert list(model.state_dict()) == keys                 # no _orig_mod: checkpoints load either way
     assert [name for name, _ in model.named_modules()] == modules
     layer = model.decoder.layers[0]
-    assert layer.compiled_bodies == ("_forward", "_attention_block", "_mlp_block")
+    assert compiled_bodies(layer) == ["_forward", "_attention_block", "_mlp_block"]
     first = layer._forward
     assert compile_layers(model, backend="eager") == 3 and layer._forward is first   # twice: compiled once
     uncompile_layer(layer)
-    assert "_forward" not in vars(layer) and not hasattr(layer, "compiled_bodies")
+    assert compiled_bodies(layer) == [] and layer._forward.__func__ is type(layer)._forward
     return True
 
 
@@ -127,14 +127,14 @@ def _fit_and_list_compiled(setting):
     trainer = L.Trainer(strategy=MegatronStrategy(**kwargs), accelerator="cpu", devices=1, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(TokenData(n=8), batch_size=4))
-    return [getattr(m, "compiled_bodies", None) for m in module.modules() if isinstance(m, TransformerLayer)]
+    return [compiled_bodies(m) for m in module.modules() if isinstance(m, TransformerLayer)]
 
 
 @pytest.mark.parametrize("setting,compiled", [("default", False), (False, False), ({"backend": "eager"}, True)])
 def test_strategy_compiles_the_layers_it_is_asked_to(setting, compiled):
     bodies = run_on_ranks(_fit_and_list_compiled, 1, setting, timeout=120)[0]
     assert len(bodies) == 2
-    assert all(b == (("_forward", "_attention_block", "_mlp_block") if compiled else None) for b in bodies), bodies
+    assert all(b == (["_forward", "_attention_block", "_mlp_block"] if compiled else []) for b in bodies), bodies
 
 
 def test_strategy_refuses_a_bad_compile_layers():
