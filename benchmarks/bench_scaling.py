@@ -3,6 +3,8 @@ data (distributed optimizer with overlapped reduce and gather), context and expe
 
 Workloads (bf16-true, fused AdamW, gradient clipping at 1.0, the loss logged every step as users do):
 - ``gpt``: the ~1.3B GPT (24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary 50304, no dropout);
+- ``llama``: the Llama-3.2-1B shape (16 layers, hidden 2048, 32 heads, 8 KV groups, FFN 8192, sequence
+  4096, vocabulary 128256), for the pipeline split: its output layer and loss cost about four layers;
 - ``moe``: a small MoE GPT (12 layers, hidden 1024, 16 heads, sequence 4096, 8 experts top-2 on every
   layer, expert FFN 2816, auxiliary loss 1e-2, dropless).
 
@@ -12,7 +14,7 @@ steps and sums the GPU time of its compute kernels (all but NCCL's): the pipelin
 per-micro-batch stage compute, the slowest stage's, times (m + p - 1) - the bubble (p - 1)/(m + p - 1).
 
     python benchmarks/bench_scaling.py --gpus 2                   # every configuration for 2 GPUs, then tables
-    python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe
+    python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe, balance
     python benchmarks/bench_scaling.py --gpus 2 --tiny --accelerator cpu   # dry run of the machinery (gloo)
 """
 
@@ -34,8 +36,10 @@ from timing import gpu_busy_ms   # benchmarks/timing.py (this folder is on sys.p
 
 NOMINAL_PEAK = 790e12
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
+LLAMA = dict(layers=16, hidden=2048, heads=32, groups=8, ffn=8192, seq=4096, vocab=128256)
 MOE = dict(layers=12, hidden=1024, heads=16, seq=4096, vocab=50304, experts=8, topk=2, expert_ffn=2816)
 TINY = {"gpt": dict(layers=4, hidden=64, heads=4, seq=64, vocab=256),
+        "llama": dict(layers=4, hidden=64, heads=4, groups=2, ffn=128, seq=64, vocab=4096),
         "moe": dict(layers=2, hidden=64, heads=4, seq=64, vocab=256, experts=4, topk=2, expert_ffn=96)}
 WARMUP, STEPS, PROFILED = 3, 8, 2
 
@@ -55,6 +59,7 @@ class Layout:
     ep: int = 1
     sp: bool = False
     distopt: bool = False
+    split: Optional[str] = None   # the model's pipeline_layout (None: its default, balanced by cost)
 
     @property
     def dp(self) -> int:
@@ -78,6 +83,14 @@ def layouts(gpus: int) -> List[Layout]:
         for m in (4, 8, 16):
             out += [Layout(f"gpt-pp{n}-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n),
                     Layout(f"gpt-pp{n}-vpp2-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n, vpp=2)]
+    # the pipeline split (issue 30): 8 sequences of 4096 as 8 micro-batches of 1, default (balanced) vs even
+    out.append(Layout("llama-1gpu", "balance", "llama", 1, 8, 1))
+    for n in (2, 4):
+        if n <= gpus:
+            for vpp in (None, 2):
+                name = f"llama-pp{n}" + (f"-vpp{vpp}" if vpp else "") + "-m8"
+                out += [Layout(name, "balance", "llama", n, 8, 1, pp=n, vpp=vpp),
+                        Layout(name + "-even", "balance", "llama", n, 8, 1, pp=n, vpp=vpp, split="even")]
     out.append(Layout("moe-1gpu", "moe", "moe", 1, 4, 2))
     if gpus >= 2:
         out += [Layout("moe-dp2", "moe", "moe", 2, 8, 2),
@@ -93,7 +106,12 @@ def transformer_config(workload: str, tiny: bool):
     from lightning_megatron.moe import MoEConfig
     from lightning_megatron.transformer import TransformerConfig
 
-    spec = (TINY if tiny else {"gpt": GPT, "moe": MOE})[workload]
+    spec = (TINY if tiny else {"gpt": GPT, "llama": LLAMA, "moe": MOE})[workload]
+    if workload == "llama":
+        from lightning_megatron.models.llama import llama_config
+
+        return llama_config(spec["layers"], spec["hidden"], spec["heads"], num_query_groups=spec["groups"],
+                            ffn_hidden_size=spec["ffn"]), spec
     moe = None
     if workload == "moe":
         moe = MoEConfig(hidden_size=spec["hidden"], ffn_hidden_size=spec["expert_ffn"], num_experts=spec["experts"],
@@ -120,6 +138,7 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
 
     from lightning_megatron import MegatronStrategy
     from lightning_megatron.models import GPTModel
+    from lightning_megatron.models.llama import LlamaModel
     from lightning_megatron.pipeline import VirtualChunks
 
     config, spec = transformer_config(layout.workload, tiny)
@@ -129,7 +148,9 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
     class Module(L.LightningModule):
         def configure_model(self):
             if not hasattr(self, "model"):
-                self.model = VirtualChunks(lambda v: GPTModel(config, spec["vocab"], spec["seq"], vp_rank=v))
+                model_class = LlamaModel if layout.workload == "llama" else GPTModel
+                self.model = VirtualChunks(lambda v: model_class(config, spec["vocab"], spec["seq"], vp_rank=v,
+                                                                 pipeline_layout=layout.split))
 
         def forward(self, batch):   # pipeline stages after the first run it on the received activation
             return self.model(batch["input_ids"], labels=batch["labels"])
@@ -184,7 +205,9 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, marks.get("compute_ms"))
     if trainer.is_global_zero:
+        chunk = trainer.lightning_module.model.chunks[0]
         result = {"layout": dataclasses.asdict(layout), "step_s": (marks["end"] - marks["start"]) / STEPS,
+                  "pipeline_layout": list(chunk.pipeline_layout),
                   "compute_ms_per_rank": gathered,
                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                   "final_loss": float(trainer.callback_metrics["train_loss"])}
@@ -235,7 +258,7 @@ def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
 
     def throughput(r: dict) -> str:
         layout = Layout(**r["layout"])
-        tokens = layout.global_batch * (TINY if tiny else {"gpt": GPT, "moe": MOE})[layout.workload]["seq"]
+        tokens = layout.global_batch * (TINY if tiny else {"gpt": GPT, "llama": LLAMA, "moe": MOE})[layout.workload]["seq"]
         mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus
         return (f"{r['step_s'] * 1e3:9.1f} | {tokens / r['step_s']:10.0f} | {mfu / 1e12:6.1f} | {mfu / peak:5.1%} | "
                 f"{mfu / NOMINAL_PEAK:5.1%}")
@@ -282,6 +305,22 @@ def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
         tokens = layout.global_batch * (TINY["gpt"] if tiny else GPT)["seq"] / r["step_s"]
         mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus / peak
         lines.append(f"| {name} | {m} | {r['step_s'] * 1e3:.1f} | {cells} | {tokens:.0f} | {mfu:.1%} |")
+    lines += ["", "### Pipeline split (Llama-3.2-1B shape, sequence 4096, 8 micro-batches of 1): the default "
+              "(balanced by cost) against the even split", "",
+              "ideal = one GPU's step / p x (m + (p - 1)/vpp) / m", "",
+              "| layout | split | step ms | ideal ms | step / ideal | compute ms per rank | MFU (measured peak) | "
+              "peak GiB |", "|" + " --- |" * 8]
+    single = rows.get("llama-1gpu")
+    for name, r in rows.items():
+        layout = Layout(**r["layout"])
+        if layout.group != "balance":
+            continue
+        m, p, v = layout.micro_batches, layout.pp, layout.vpp or 1
+        ideal = single["step_s"] * 1e3 / p * (m + (p - 1) / v) / m if single else float("nan")
+        compute = " / ".join("-" if c is None else f"{c:.1f}" for c in r["compute_ms_per_rank"])
+        mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus / peak
+        lines.append(f"| {name} | {r.get('pipeline_layout')} | {r['step_s'] * 1e3:.1f} | {ideal:.1f} | "
+                     f"{r['step_s'] * 1e3 / ideal:.3f} | {compute} | {mfu:.1%} | {r['peak_gib'] or 0:.1f} |")
     lines += ["", "### MoE GPT (12 layers, hidden 1024, 8 experts top-2, sequence 4096, 8 sequences per step "
               "on 2 GPUs)", "", header + " vs moe-dp2 |", "|" + " --- |" * 8]
     base = rows.get("moe-dp2")

@@ -86,8 +86,9 @@ _WORLD = "``tp·cp·pp`` must divide the world size (``devices × num_nodes``) a
 CONSTRAINTS: Dict[str, str] = {
     "tensor_model_parallel_size": f"{_POSITIVE}; {_WORLD}; the model's heads, hidden and FFN sizes must split "
                                   "over it (``TransformerConfig`` checks)",
-    "pipeline_model_parallel_size": f"{_POSITIVE}; {_WORLD}; ``num_layers`` must split into ``pp·vpp`` equal "
-                                    "chunks (or use the model's ``first_stage_layers``/``last_stage_layers``)",
+    "pipeline_model_parallel_size": f"{_POSITIVE}; {_WORLD}; the model's ``pipeline_layout`` splits the layers "
+                                    "(balanced by counted cost by default; ``\"even\"`` needs ``num_layers`` "
+                                    "divisible by ``pp·vpp``; a list gives every virtual stage's count)",
     "virtual_pipeline_model_parallel_size": "``None`` or int >= 1; > 1 needs ``pipeline_model_parallel_size >= 2`` "
                                             "and ``micro_batch_size``, and at least ``pp`` micro-batches per step",
     "context_parallel_size": f"{_POSITIVE}; {_WORLD}; sequence length divisible by ``2·cp``",

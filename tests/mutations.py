@@ -8,6 +8,10 @@ working tree is never touched.
     python tests/mutations.py            # every mutation, then the table
     python tests/mutations.py --list
     python tests/mutations.py buffers-divisor-without-cp tied-embedding-plain
+    python tests/mutations.py --ci --json   # the CI ones; verdicts as JSON (tests/meta/test_mutations.py)
+
+Many mutations run from one warm process (``run_warm``: torch and Lightning imported once, a forked child
+per mutation, two at a time); ``run`` runs one in a fresh interpreter.
 
 ``tests/meta/test_mutations.py`` runs them under pytest (CI).
 """
@@ -22,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY = "tests/integration/strategy"   # the Trainer tests that catch most mutations
@@ -231,6 +235,15 @@ MUTATIONS: List[Mutation] = [
              "        if self.attention_factor != 1.0:", "        if False:",
              ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[qwen2]",),
              ci=False),
+    # pipeline layouts: the model builds what its layout says; the balance counts the output layer and loss
+    Mutation("pipeline-layout-ignored-by-the-build", "lightning_megatron/transformer/stage_layers.py",
+             "vp_rank, first_stage_layers, last_stage_layers, layout))", "vp_rank, first_stage_layers, last_stage_layers))",
+             ("tests/unit/models/test_pipeline_layout.py::test_even_by_hand_and_the_pinned_ends",), ci=False),
+    Mutation("balanced-layout-without-the-head", "lightning_megatron/models/pipeline_layout.py",
+             "return _balanced(tuple(model.layers), pp, vp, model.embedding, model.head)",
+             "return _balanced(tuple(model.layers), pp, vp, model.embedding, 0)",
+             ("tests/unit/models/test_pipeline_layout.py::test_default_balances_the_output_layer_and_loss_against_the_layers",),
+             ci=False),
 ]
 
 
@@ -268,16 +281,109 @@ def run(mutation: Mutation, timeout: float = 900) -> Tuple[bool, float, str]:
     return proc.returncode == 1, time.perf_counter() - start, lines[-1] if lines else proc.stderr[-300:]
 
 
+# imported once by the warm runner, then shared by every forked mutation run (about 10 s each otherwise)
+WARM_IMPORTS = ("torch", "torch.distributed", "torch.nn.functional", "torch._dynamo", "numpy", "pytest",
+                "lightning", "lightning.pytorch", "torchmetrics")
+
+
+def run_warm(mutations: List[Mutation], jobs: int = 2, timeout: float = 900) -> Dict[str, Tuple[bool, float, str]]:
+    """``run`` for many mutations at once: this process imports the heavy dependencies once, then forks one
+    child per mutation (``jobs`` at a time), which drops any imported copy of the package, puts its mutated
+    copy first on the path and runs pytest on the mutation's tests. Same verdicts as ``run``, a fraction of
+    the time (the children do not import torch and Lightning again; their ranks' fork server still does)."""
+    import importlib
+    import signal
+
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
+    folders: Dict[str, Path] = {}
+    results: Dict[str, Tuple[bool, float, str]] = {}
+    running: Dict[int, Tuple[Mutation, float]] = {}
+    queue = list(mutations)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                mutation = queue.pop(0)
+                into = folders[mutation.name] = Path(tempfile.mkdtemp(prefix=f"mutation-{mutation.name}-"))
+                mutated_copy(mutation, into)
+                pid = os.fork()
+                if pid == 0:   # the child: never returns
+                    os._exit(_child(mutation, into))
+                running[pid] = (mutation, time.perf_counter())
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                for pid, (mutation, start) in list(running.items()):
+                    if time.perf_counter() - start > timeout:
+                        os.killpg(pid, signal.SIGKILL)
+                time.sleep(0.2)
+                continue
+            mutation, start = running.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            log = (folders[mutation.name] / "pytest.log").read_text(errors="replace")
+            lines = [line for line in log.splitlines() if line.strip()]
+            results[mutation.name] = (code == 1, time.perf_counter() - start, lines[-1] if lines else f"exit {code}")
+            _kill_group(pid)
+    finally:
+        for pid in running:
+            _kill_group(pid)
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
+    return results
+
+
+def _kill_group(pid: int) -> None:
+    """The child's own ranks and fork server (its process group) go with it."""
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _child(mutation: Mutation, into: Path) -> int:
+    """Run the mutation's tests against the copy in ``into``: 1 when a test failed (killed), 3 when the
+    copy was not what got imported, else pytest's code. Output goes to ``into/pytest.log``."""
+    os.setpgid(0, 0)
+    log = os.open(into / "pytest.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    for name in [n for n in sys.modules if n == "lightning_megatron" or n.startswith(("lightning_megatron.", "helpers"))]:
+        del sys.modules[name]
+    sys.path[:] = [str(into), str(into / "tests")] + [p for p in sys.path if not p.startswith(str(ROOT))]
+    os.environ.update(PYTHONPATH=str(into), PYTHONDONTWRITEBYTECODE="1")
+    os.chdir(into)
+    # the ranks' fork server must not re-run this runner as their __main__ (nor a caller's <stdin>)
+    vars(sys.modules["__main__"]).pop("__file__", None)
+    import pytest
+    import lightning_megatron
+
+    if not lightning_megatron.__file__.startswith(str(into)):
+        print("imported", lightning_megatron.__file__, "not the mutated copy", flush=True)
+        return 3
+    code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--no-header", *mutation.tests]))
+    sys.stdout.flush()
+    return code
+
+
 def main(argv: List[str]) -> int:
     if "--list" in argv:
         for m in MUTATIONS:
             print(f"{m.name:40s} {m.path}  ->  {' '.join(m.tests)}")
         return 0
-    chosen = [m for m in MUTATIONS if not argv or m.name in argv]
-    rows = []
-    for mutation in chosen:
-        killed, seconds, last = run(mutation)
-        rows.append((mutation, killed, seconds, last))
+    as_json = "--json" in argv
+    names = [a for a in argv if not a.startswith("--")]
+    chosen = [m for m in MUTATIONS if not names or m.name in names]
+    if "--ci" in argv:
+        chosen = [m for m in chosen if m.ci]
+    verdicts = run_warm(chosen)
+    if as_json:
+        import json
+
+        print(json.dumps(verdicts))
+        return 0
+    rows = [(m, *verdicts[m.name]) for m in chosen]
+    for mutation, killed, seconds, last in rows:
         print(f"{'killed' if killed else 'SURVIVED':8s} {seconds:6.1f}s  {mutation.name}: {last}", flush=True)
     print("\n| mutation | file | caught by | result |\n|---|---|---|---|")
     for mutation, killed, seconds, last in rows:

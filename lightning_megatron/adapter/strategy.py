@@ -53,6 +53,7 @@ from .last_stage import (Metrics, TrainingLastStage, call_hooks, check_automatic
 from .loaders import prepare_dataloader
 from .log_capture import DATA_PARALLEL_GROUP
 from .metric_sync import sync_metrics_over_data_parallel
+from .pipeline_report import report_pipeline_layout
 from .precision import parallel_precision
 
 _DDP: Any = DDPStrategy   # its methods are borrowed below (typed for a DDPStrategy self)
@@ -139,8 +140,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         self.metrics: Optional[Metrics] = None            # torchmetrics objects kept equal over pipeline stages
         self._final_optimizer_states: Dict[int, FullOptimizerView] = {}    # gathered at the end of fit
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
+        self._timeout, self._start_method = timeout, start_method
         self.num_nodes = 1
         self.parallel_state: Optional[ParallelState] = None
         self._accumulating = False   # inside Lightning's block_backward_sync: this batch does not end the window
@@ -208,6 +208,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
         apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().tp_size,
                              self._state().cp_size, self.graph_config.cuda_graph)
+        report_pipeline_layout(self.lightning_module, self._state())
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -7,7 +7,7 @@ instead, which the paper shows is what lets BERT scale past 336M parameters.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,9 @@ from ..tensor_parallel import (
 from ..tensor_parallel.utils import set_tensor_model_parallel_attributes
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig, build_norm, seeded
+from ..transformer.stage_costs import language_model_costs
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
+from .pipeline_layout import PipelineLayout, resolve_pipeline_layout
 
 
 def _replicated_linear(config: TransformerConfig, name: str, in_features: int, out_features: int) -> nn.Linear:
@@ -45,10 +47,12 @@ class BertModel(nn.Module):
     Earlier chunks return ``[s, b, h]`` for the next stage and later ones read
     ``set_input_tensor``. Under context parallelism the inputs and ``hidden_states`` are this
     rank's ``split_for_context_parallel`` slice; ``pooled`` is the whole sequence's, on every cp rank.
+    ``pipeline_layout`` as ``GPTModel``'s (balanced by default; ``BertForMaskedLM`` counts its head).
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_position_embeddings: int = 512,
-                 type_vocab_size: int = 2, add_pooler: bool = True, vp_rank: int = 0) -> None:
+                 type_vocab_size: int = 2, add_pooler: bool = True, vp_rank: int = 0,
+                 pipeline_layout: PipelineLayout = None) -> None:
         super().__init__()
         if config.attn_mask_type != "padding":
             raise ValueError("BertModel is bidirectional: use TransformerConfig(attn_mask_type='padding').")
@@ -63,7 +67,9 @@ class BertModel(nn.Module):
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size, self.padded_vocab_size, max_position_embeddings,
                 num_tokentypes=type_vocab_size, layernorm=config.layernorm_order == "post")
-        self.encoder = TransformerBlock(config, vp_rank)
+        self.pipeline_layout: Tuple[int, ...] = resolve_pipeline_layout(
+            pipeline_layout, config.num_layers, lambda: language_model_costs(config, max_position_embeddings, None))
+        self.encoder = TransformerBlock(config, vp_rank, pipeline_layout=self.pipeline_layout)
         self.pooler = (_replicated_linear(config, "pooler", config.hidden_size, config.hidden_size)
                        if self.post_process and add_pooler else None)
 
@@ -118,8 +124,13 @@ class BertForMaskedLM(nn.Module):
     # the last stage's copy of the tied table is this weight in the single-process model
     tied_weights = {"output_weight": "bert.embedding.word_embeddings.weight"}
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, **bert_kwargs) -> None:
+    def __init__(self, config: TransformerConfig, vocab_size: int, **bert_kwargs: Any) -> None:
         super().__init__()
+        if bert_kwargs.get("pipeline_layout") in (None, "balanced"):   # the last stage runs the masked-LM head
+            sequence = bert_kwargs.get("max_position_embeddings", 512)
+            bert_kwargs["pipeline_layout"] = resolve_pipeline_layout(
+                "balanced", config.num_layers, lambda: language_model_costs(
+                    config, sequence, vocab_size, head_flops_per_token=2 * config.hidden_size ** 2))
         self.bert = BertModel(config, vocab_size, add_pooler=False, **bert_kwargs)
         self.lm_head = BertLMHead(config, self.bert.padded_vocab_size) if self.bert.post_process else None
         if self.lm_head is not None:

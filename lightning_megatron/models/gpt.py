@@ -5,7 +5,7 @@ class is a Llama (see ``models.llama``)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -15,7 +15,9 @@ from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig
 from ..tensor_parallel.fused_cross_entropy import fused_kernels_run, parallel_linear_cross_entropy
+from ..transformer.stage_costs import language_model_costs
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
+from .pipeline_layout import PipelineLayout, resolve_pipeline_layout
 
 
 class GPTModel(nn.Module):
@@ -38,6 +40,12 @@ class GPTModel(nn.Module):
     and its gradient in one fused pass over them in the forward (no float32 softmax copies, no second
     pass in the backward: the fastest path); None (default): where its Triton kernels run (CUDA), else the
     unfused ``vocab_parallel_cross_entropy(logits)``; True/False to force it (True on the CPU: torch passes).
+
+    ``pipeline_layout``: which layers each pipeline stage builds. None (default) or ``"balanced"``: stages
+    balanced by counted cost at ``max_sequence_length`` (the embedding on the first, the output layer and
+    loss on the last, dense and MoE layers each their own); ``"even"``: equal counts; a list: every virtual
+    stage's count in model order (``pp·vpp`` entries). ``first_stage_layers``/``last_stage_layers`` pin the
+    ends of the even split instead. The result is ``self.pipeline_layout``; checkpoints reshard across layouts.
     """
 
     # the last stage's copy of the tied table is this weight in the single-process model
@@ -47,7 +55,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  vp_rank: int = 0, tie_word_embeddings: bool = True, label_smoothing: float = 0.0,
                  first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
-                 cross_entropy_chunk_size: Optional[int] = None, fused_cross_entropy: Optional[bool] = None) -> None:
+                 cross_entropy_chunk_size: Optional[int] = None, fused_cross_entropy: Optional[bool] = None,
+                 pipeline_layout: PipelineLayout = None) -> None:
         super().__init__()
         if config.attn_mask_type != "causal":
             raise ValueError("GPTModel needs TransformerConfig(attn_mask_type='causal').")
@@ -75,8 +84,12 @@ class GPTModel(nn.Module):
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size,
                                                     max_sequence_length)
-        self.decoder = TransformerBlock(config, vp_rank, first_stage_layers=first_stage_layers,
-                                        last_stage_layers=last_stage_layers)
+        self.pipeline_layout: Tuple[int, ...] = resolve_pipeline_layout(
+            pipeline_layout, config.num_layers,
+            lambda: language_model_costs(config, max_sequence_length, vocab_size,
+                                         recompute_output_layer=cross_entropy_chunk_size is not None),
+            first_stage_layers, last_stage_layers)
+        self.decoder = TransformerBlock(config, vp_rank, pipeline_layout=self.pipeline_layout)
         self.output_weight: Optional[nn.Parameter] = None
         if self.post_process and not (tie_word_embeddings and self.pre_process):
             self.output_weight = output_weight_for_stage(config, vocab_size, self.padded_vocab_size,

@@ -15,11 +15,16 @@ An uneven split (Megatron-Core's ``decoder_first_pipeline_num_layers`` /
 layers (often fewer: they also hold the embedding or the head; 0 is allowed) and splits the
 rest evenly over the other ("middle") stages. Every stage spreads its layers evenly over its
 ``vp_size`` chunks, so each round of virtual stages covers ``num_layers // vp_size`` layers.
+
+A *layout* says it all at once: the number of layers of every virtual stage, in model order
+(``pp_size * vp_size`` counts; Megatron-Core's ``pipeline_model_parallel_layout`` in spirit). Every
+split above is one (``split_layout``); ``parallel.stage_balance`` computes one from costs, and a
+user may give one by hand (``check_layout`` names what is wrong with it).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .topology import ParallelConfigError
 from ._checks import check_int, check_rank, listing, nearest
@@ -105,35 +110,82 @@ def _divisors(k: int) -> List[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
 
 
+def split_layout(num_layers: int, pp_size: int, vp_size: Optional[int] = None,
+                    first_stage_layers: Optional[int] = None,
+                    last_stage_layers: Optional[int] = None) -> Tuple[int, ...]:
+    """Layers of every virtual stage in model order (``pp_size * vp_size`` counts) of the even or
+    first/last-pinned split."""
+    sizes = layers_per_chunk(num_layers, pp_size, vp_size, first_stage_layers, last_stage_layers)
+    return sizes * (1 if vp_size is None else vp_size)
+
+
+def check_layout(layout: object, num_layers: int, pp_size: int, vp_size: Optional[int] = None,
+                 name: str = "pipeline_layout") -> Tuple[int, ...]:
+    """``layout`` as a tuple if it gives every one of the ``pp_size * vp_size`` virtual stages a count of
+    layers >= 0 and they add up to ``num_layers``; else one error naming ``name`` and the fix."""
+    n = check_int("num_layers", num_layers)
+    pp = check_int("pp_size", pp_size)
+    vp = 1 if vp_size is None else check_int("vp_size", vp_size)
+    chunks = pp * vp
+    order = ("stage 0, stage 1, ..." if vp == 1 else
+             f"virtual stage v on stage v % {pp}: stage 0's first chunk, stage 1's first chunk, ..., then "
+             f"every stage's second chunk, ...")
+    if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence):
+        raise ParallelConfigError(
+            f"{name} must be a list of {chunks} layer counts (one per virtual stage, in model order: {order}), "
+            f"'balanced' or 'even'; got {layout!r}.")
+    counts = tuple(layout)
+    bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+    if bad:
+        raise ParallelConfigError(f"{name} must hold layer counts (integers >= 0), got {bad[0]!r} in {list(counts)}.")
+    if len(counts) != chunks:
+        raise ParallelConfigError(
+            f"{name} has {len(counts)} entries, but pp_size * vp_size = {pp} * {vp} = {chunks} virtual stages need "
+            f"one count each (in model order: {order}).")
+    if sum(counts) != n:
+        raise ParallelConfigError(
+            f"{name}={list(counts)} holds {sum(counts)} layers, but the model has num_layers={n}: the counts must "
+            f"add up to it.")
+    return counts
+
+
+def _resolve(num_layers: int, pp_size: int, vp_size: Optional[int], first: Optional[int], last: Optional[int],
+             layout: Optional[Sequence[int]]) -> Tuple[int, ...]:
+    if layout is None:
+        return split_layout(num_layers, pp_size, vp_size, first, last)
+    if first is not None or last is not None:
+        raise ParallelConfigError(
+            "pipeline_layout gives every stage its layers; first_stage_layers/last_stage_layers pin the ends of "
+            "another split: give one of them.")
+    return check_layout(layout, num_layers, pp_size, vp_size)
+
+
 def layer_offset(num_layers: int, pp_size: int, pp_rank: int, vp_size: Optional[int] = None,
                  vp_rank: int = 0, first_stage_layers: Optional[int] = None,
-                 last_stage_layers: Optional[int] = None) -> int:
-    """Global index of the first layer of ``pp_rank``'s local chunk ``vp_rank``.
-
-    ``vp_rank`` rounds of all stages' chunks come before it, then the chunks of earlier
-    stages in this round.
-    """
-    sizes = layers_per_chunk(num_layers, pp_size, vp_size, first_stage_layers, last_stage_layers)
+                 last_stage_layers: Optional[int] = None, layout: Optional[Sequence[int]] = None) -> int:
+    """Global index of the first layer of ``pp_rank``'s local chunk ``vp_rank``: the layers of every
+    virtual stage before it (``vp_rank`` rounds of all stages' chunks, then earlier stages' chunks in this
+    round). ``layout``: a per-virtual-stage split (``check_layout``) instead of the even/pinned one."""
+    sizes = _resolve(num_layers, pp_size, vp_size, first_stage_layers, last_stage_layers, layout)
     check_rank("pp_rank", pp_rank, "pp_size", pp_size)
     check_rank("vp_rank", vp_rank, "vp_size", 1 if vp_size is None else vp_size)
-    return vp_rank * sum(sizes) + sum(sizes[:pp_rank])
+    return sum(sizes[:virtual_stage(pp_size, pp_rank, vp_rank)])
 
 
 def chunk_layer_range(num_layers: int, pp_size: int, pp_rank: int, vp_size: Optional[int] = None,
                       vp_rank: int = 0, first_stage_layers: Optional[int] = None,
-                      last_stage_layers: Optional[int] = None) -> range:
+                      last_stage_layers: Optional[int] = None, layout: Optional[Sequence[int]] = None) -> range:
     """Global (0-based) layer indices that ``pp_rank``'s local chunk ``vp_rank`` builds."""
     start = layer_offset(num_layers, pp_size, pp_rank, vp_size, vp_rank, first_stage_layers,
-                         last_stage_layers)
-    count = layers_per_chunk(num_layers, pp_size, vp_size, first_stage_layers,
-                             last_stage_layers)[pp_rank]
-    return range(start, start + count)
+                         last_stage_layers, layout)
+    sizes = _resolve(num_layers, pp_size, vp_size, first_stage_layers, last_stage_layers, layout)
+    return range(start, start + sizes[virtual_stage(pp_size, pp_rank, vp_rank)])
 
 
 def stage_layer_ranges(num_layers: int, pp_size: int, pp_rank: int, vp_size: Optional[int] = None,
                        first_stage_layers: Optional[int] = None,
-                       last_stage_layers: Optional[int] = None) -> List[range]:
+                       last_stage_layers: Optional[int] = None, layout: Optional[Sequence[int]] = None) -> List[range]:
     """Layer ranges of all of ``pp_rank``'s local chunks, in local chunk order."""
     return [chunk_layer_range(num_layers, pp_size, pp_rank, vp_size, k, first_stage_layers,
-                              last_stage_layers)
+                              last_stage_layers, layout)
             for k in range(1 if vp_size is None else vp_size)]

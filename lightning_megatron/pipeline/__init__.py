@@ -32,6 +32,10 @@ __getattr__, __dir__ = lazy_face(__name__, {
     'shared_embedding_parameters': '.shared_embeddings',
     'sync_shared_embedding_weights': '.shared_embeddings',
     'PipelineStack': '.stack',
+    'balanced_layout': '..parallel.stage_balance',
+    'stage_costs': '..parallel.stage_balance',
+    'check_layout': '..parallel.stages',
+    'split_layout': '..parallel.stages',
     'chunk_layer_range': '..parallel.stages',
     'layer_offset': '..parallel.stages',
     'layers_per_chunk': '..parallel.stages',
@@ -55,12 +59,15 @@ if TYPE_CHECKING:
         sync_shared_embedding_weights,
     )
     from .stack import PipelineStack
+    from ..parallel.stage_balance import balanced_layout, stage_costs
     from ..parallel.stages import (
-        chunk_layer_range, layer_offset, layers_per_chunk, stage_layer_ranges, virtual_stage,
+        check_layout, chunk_layer_range, layer_offset, layers_per_chunk, split_layout, stage_layer_ranges,
+        virtual_stage,
     )
 
 __all__ = [
-    "BACKWARD", "FORWARD", "MicrobatchCounts", "ScheduleStep", "chunk_layer_range",
+    "BACKWARD", "FORWARD", "MicrobatchCounts", "ScheduleStep", "balanced_layout", "check_layout",
+    "chunk_layer_range", "split_layout", "stage_costs",
     "convert_schedule_table_to_order", "convert_schedule_table_to_steps",
     "get_pp_rank_microbatches", "get_schedule_table", "layer_offset", "layers_per_chunk",
     "resolve_group_size", "schedule_order", "schedule_steps", "stage_layer_ranges",

@@ -5,12 +5,13 @@ user's own layers: ``PipelineStack(lambda i: MyBlock(...), num_layers=24)`` buil
 rank, only the layers of its stage and virtual chunk (seed 000's offsets), each initialised
 from a seed that depends on its global index, so every layout holds the same model.
 On stages after the first the input is the activation received from the previous stage,
-handed over with ``set_input_tensor`` (the executor's convention).
+handed over with ``set_input_tensor`` (the executor's convention). ``pipeline_layout``: every virtual
+stage's layer count in model order, for stacks whose stages cost differently (the even split otherwise).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,10 +25,10 @@ class PipelineStack(nn.Module):
 
     def __init__(self, build_layer: Callable[[int], nn.Module], num_layers: int, init_seed: int = 1234,
                  vp_rank: int = 0, first_stage_layers: Optional[int] = None,
-                 last_stage_layers: Optional[int] = None) -> None:
+                 last_stage_layers: Optional[int] = None, pipeline_layout: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         self.layers, self.layer_indices = build_stage_layers(num_layers, build_layer, init_seed, vp_rank,
-                                                             first_stage_layers, last_stage_layers)
+                                                             first_stage_layers, last_stage_layers, pipeline_layout)
         self.pre_process, self.post_process = chunk_position(vp_rank)
         self.input_tensor: Optional[torch.Tensor] = None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,14 +26,16 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: TransformerConfig, vp_rank: int = 0,
                  layer_factory: Optional[Callable[[int], nn.Module]] = None,
-                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> None:
+                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
+                 pipeline_layout: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         config = with_strategy_defaults(config)
         config.check_tensor_parallel(get_parallel_state().tp_size)   # before any layer: the user's names
         self.config = config
         build = layer_factory or (lambda index: TransformerLayer(config, index + 1))
         self.layers, self.layer_indices = build_stage_layers(
-            config.num_layers, build, config.init_seed, vp_rank, first_stage_layers, last_stage_layers)
+            config.num_layers, build, config.init_seed, vp_rank, first_stage_layers, last_stage_layers,
+            pipeline_layout)
         _, is_last = chunk_position(vp_rank)
         self.final_norm = build_norm(config) if config.layernorm_order == "pre" and is_last else None
 

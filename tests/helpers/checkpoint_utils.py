@@ -24,11 +24,11 @@ def activate(tp=1, pp=1, vpp=None, ep=1):
     return ParallelState(layout, virtual_pipeline_size=vpp).activate()
 
 
-def build_gpt(state, **overrides):
+def build_gpt(state, pipeline_layout=None, **overrides):
     cfg = config(**overrides)
     if state.virtual_pipeline_size:
-        return VirtualChunks(lambda vp: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp))
-    return GPTModel(cfg, VOCAB, SEQ)
+        return VirtualChunks(lambda vp: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp, pipeline_layout=pipeline_layout))
+    return GPTModel(cfg, VOCAB, SEQ, pipeline_layout=pipeline_layout)
 
 
 def chunks_of(model):

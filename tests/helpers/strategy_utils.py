@@ -47,9 +47,10 @@ class PackedTokenData(TokenData):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, layers=4, lr=2.0, dropout=0.0, **config):
+    def __init__(self, layers=4, lr=2.0, dropout=0.0, pipeline_layout=None, **config):
         super().__init__()
         self.layers, self.lr, self.config = layers, lr, config   # config: extra TransformerConfig fields
+        self.pipeline_layout = pipeline_layout
         self.dropout = dropout
         self.step_losses = []
 
@@ -58,7 +59,8 @@ class TinyGPT(L.LightningModule):
             return
         cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4,
                                 hidden_dropout=self.dropout, attention_dropout=self.dropout, **self.config)
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank))
+        self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank,
+                                                            pipeline_layout=self.pipeline_layout))
 
     def forward(self, batch):
         return self.model(batch["input_ids"], labels=batch["labels"])

@@ -2,28 +2,38 @@
 tied-embedding and sequence-parallel reduces, the MoE balancing-loss scale off by cp, the RNG state
 restored before the resumed DataLoader iterator, ...) each make a named test fail."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
-from mutations import MUTATIONS, run
+from helpers.paths import ROOT
+from mutations import MUTATIONS
 
 
-CI_MUTATIONS = [m for m in MUTATIONS if m.ci]   # the rest: python tests/mutations.py (about 20 s each)
+CI_MUTATIONS = [m for m in MUTATIONS if m.ci]   # the rest: python tests/mutations.py (about 15 s each)
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    """Every CI mutation's verdict from one warm runner (tests/mutations.py: torch and Lightning imported once,
+    a forked child per mutation, two at a time), rather than a fresh interpreter per plant."""
+    done = subprocess.run([sys.executable, "tests/mutations.py", "--ci", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=2400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("mutation", CI_MUTATIONS, ids=[m.name for m in CI_MUTATIONS])
-def test_planted_bug_is_caught(mutation):
-    killed, _, last = run(mutation)
+def test_planted_bug_is_caught(verdicts, mutation):
+    killed, _, last = verdicts[mutation.name]
     assert killed, f"{mutation.name} survived {', '.join(mutation.tests)}: {last}"
 
 
 def test_every_planted_bug_still_has_its_place_and_its_tests():
     """Every mutation (those run only by ``python tests/mutations.py`` too) names text that occurs exactly once in
     its file and test ids that exist: code moves and renames must carry the plants along."""
-    import subprocess
-    import sys
-
-    from helpers.paths import ROOT
-
     for mutation in MUTATIONS:
         with open(f"{ROOT}/{mutation.path}", encoding="utf-8") as source:
             assert source.read().count(mutation.old) == 1, mutation.name

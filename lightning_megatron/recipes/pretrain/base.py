@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 class PretrainingModule(L.LightningModule, ABC):
     """Subclasses name ``model_class`` (``GPTModel`` or a subclass) and build ``transformer_config()`` from their
-    hyper-parameters, which include ``vocab_size``, ``seq_length`` and ``cross_entropy_chunk_size``."""
+    hyper-parameters, which include ``vocab_size``, ``seq_length``, ``cross_entropy_chunk_size`` and
+    ``pipeline_layout`` (``GPTModel``'s: None balances the pipeline stages by cost, "even", or a list by hand)."""
 
     model_class: type
 
@@ -40,7 +41,8 @@ class PretrainingModule(L.LightningModule, ABC):
             return
         config, h = self.transformer_config(), self.hparams
         self.model = VirtualChunks(lambda vp_rank: self.model_class(
-            config, h.vocab_size, h.seq_length, vp_rank=vp_rank, cross_entropy_chunk_size=h.cross_entropy_chunk_size))
+            config, h.vocab_size, h.seq_length, vp_rank=vp_rank, cross_entropy_chunk_size=h.cross_entropy_chunk_size,
+            pipeline_layout=h.pipeline_layout))
 
     def token_loss(self, losses: torch.Tensor, counted: Optional[torch.Tensor] = None) -> Union[torch.Tensor, dict]:
         """What ``training_step`` returns for per-token ``losses`` (``counted``: 1 where a token has a label,

@@ -7,7 +7,7 @@ module runs with any TP/PP/VPP/DP layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import lightning as L
 import torch
@@ -32,11 +32,13 @@ class GPTPretraining(PretrainingModule):
                  activation: str = "gelu", normalization: str = "LayerNorm", sequence_parallel: bool = False,
                  lr: float = 3e-3, weight_decay: float = 0.01, warmup_steps: int = 10,
                  init_seed: int = 1234, moe: Optional[MoEConfig] = None, moe_layer_freq: int = 1,
-                 cross_entropy_chunk_size: Optional[int] = None) -> None:
+                 cross_entropy_chunk_size: Optional[int] = None,
+                 pipeline_layout: Union[None, str, List[int]] = None) -> None:
         """``moe``: make every ``moe_layer_freq``-th MLP a mixture of experts (its ``hidden_size`` must
         equal ``hidden_size``); the strategy's ``expert_model_parallel_size`` spreads the experts.
         ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a
-        time, so the float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
+        time, so the float32 logits are never whole (``GPTModel``'s argument; None: unfused).
+        ``pipeline_layout``: which layers each pipeline stage holds (``GPTModel``'s; None: balanced by cost)."""
         super().__init__()
         self.save_hyperparameters()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -21,7 +21,8 @@ class LlamaPretraining(PretrainingModule):
     averaged). Hyper-parameters are LightningCLI arguments;
     ``lr`` warms up over ``warmup_steps`` and decays on a cosine to ``min_lr`` at ``trainer.max_steps``.
     ``cross_entropy_chunk_size``: compute the loss fused with the output layer, that many tokens at a time, so the
-    float32 logits are never whole (``GPTModel``'s argument; None: unfused)."""
+    float32 logits are never whole (``GPTModel``'s argument; None: unfused). ``pipeline_layout``: which layers
+    each pipeline stage holds (``GPTModel``'s argument; None: balanced by cost)."""
 
     model_class = LlamaModel
 
@@ -29,7 +30,8 @@ class LlamaPretraining(PretrainingModule):
                  num_attention_heads: int = 4, num_query_groups: Optional[int] = 2,
                  ffn_hidden_size: Optional[int] = None, rotary_base: float = 10000.0,
                  sequence_parallel: bool = False, lr: float = 3e-3, min_lr: float = 3e-4, weight_decay: float = 0.01,
-                 warmup_steps: int = 10, init_seed: int = 1234, cross_entropy_chunk_size: Optional[int] = None) -> None:
+                 warmup_steps: int = 10, init_seed: int = 1234, cross_entropy_chunk_size: Optional[int] = None,
+                 pipeline_layout: Union[None, str, List[int]] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
 

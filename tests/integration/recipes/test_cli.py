@@ -82,9 +82,11 @@ def test_strategy_short_name_takes_options():
     assert re.search(r"^\s+devices: '?2'?$", done.stdout, re.M), done.stdout
     # The ``=`` spelling too.
     done = run_command("fit", "--config", CONFIG, "--trainer.strategy=megatron",
-                       "--trainer.strategy.pipeline_model_parallel_size", "2", "--print_config")
+                       "--trainer.strategy.pipeline_model_parallel_size", "2", "--model.pipeline_layout", "[3, 1]",
+                       "--print_config")
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^\s+pipeline_model_parallel_size: 2$", done.stdout, re.M), done.stdout
+    assert re.search(r"^\s+pipeline_layout:\n\s+- 3\n\s+- 1$", done.stdout, re.M), done.stdout
 
 
 BAD_LAYOUT = ("fit", "--config", CONFIG, "--trainer.devices", "2", "--trainer.strategy.tensor_model_parallel_size", "3",

@@ -74,6 +74,26 @@ def test_dense_updates_match_single_process(dense_reference, name):
         assert rank_out["losses"] == pytest.approx(dense_reference["losses"], rel=1e-5, abs=1e-6)
 
 
+# uneven pipeline layouts by hand (empty chunks included), with the reduction paths that walk the stages' buckets
+LAYOUTS = {
+    "pp2-layout-3-1": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2), [3, 1]),
+    "pp2vpp2-layout-1-2-0-1": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                       micro_batch_size=2), [1, 2, 0, 1]),
+    "dp2pp2-distopt-overlap-layout-0-4": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
+                                                  use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                                  **SMALL_BUCKETS), [0, 4]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_uneven_pipeline_layouts_match_single_process(dense_reference, name):
+    world, kwargs, layout = LAYOUTS[name]
+    out = run_on_ranks(fit_and_record, world, kwargs, dict(pipeline_layout=layout), timeout=240)
+    assert_same_updates(out[0]["params"], dense_reference["params"])
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(dense_reference["losses"], rel=1e-5, abs=1e-6)
+
+
 def moe_module(dispatcher="alltoall"):
     """Every other MLP a mixture of experts, balancing losses on with coefficients large enough that
     a wrong scale of their gradient shows in the router's update."""

@@ -6,7 +6,10 @@ from lightning_megatron.checkpoint import load_sharded, save_sharded
 from lightning_megatron.testing import run_on_ranks
 from helpers.checkpoint_utils import activate, assert_same, batches, build_gpt, global_view, run
 
-LOAD_LAYOUTS = [dict(tp=1), dict(tp=2), dict(pp=2, vpp=2), dict(tp=4), dict(pp=4)]
+# uneven splits by hand (``pipeline_layout``): the layers move between stages and chunks, empty ones included
+LOAD_LAYOUTS = [dict(tp=1), dict(tp=2), dict(pp=2, vpp=2), dict(tp=4), dict(pp=4),
+                dict(pp=2, pipeline_layout=[3, 1]), dict(pp=4, pipeline_layout=[0, 2, 1, 1]),
+                dict(pp=2, vpp=2, pipeline_layout=[1, 2, 0, 1])]
 
 
 def _close(a, b, what):
@@ -27,8 +30,9 @@ def _save_at_tp2_pp2_then_load_everywhere(path):
     loss_next = run(model, state, data)
 
     for layout in LOAD_LAYOUTS:
-        state = activate(**layout)
-        model = build_gpt(state, init_seed=99)    # other weights: the load must do all the work
+        split = layout.get("pipeline_layout")
+        state = activate(**{k: v for k, v in layout.items() if k != "pipeline_layout"})
+        model = build_gpt(state, pipeline_layout=split, init_seed=99)    # other weights: the load does all the work
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         assert load_sharded(path, model, optimizer) == {"global_step": 2}
         assert_same(global_view(model, optimizer, state), saved)
