@@ -59,7 +59,7 @@ class Layout:
     ep: int = 1
     sp: bool = False
     distopt: bool = False
-    split: Optional[str] = None   # the model's pipeline_layout (None: its default, balanced by cost)
+    split: Optional[str] = None   # the model's pipeline_layout (None: its default, balanced by cost; "9,7": by hand)
 
     @property
     def dp(self) -> int:
@@ -91,6 +91,8 @@ def layouts(gpus: int) -> List[Layout]:
                 name = f"llama-pp{n}" + (f"-vpp{vpp}" if vpp else "") + "-m8"
                 out += [Layout(name, "balance", "llama", n, 8, 1, pp=n, vpp=vpp),
                         Layout(name + "-even", "balance", "llama", n, 8, 1, pp=n, vpp=vpp, split="even")]
+    if gpus >= 2:   # the neighbour of the balanced [10, 6], by hand
+        out.append(Layout("llama-pp2-m8-9-7", "balance", "llama", 2, 8, 1, pp=2, split="9,7"))
     out.append(Layout("moe-1gpu", "moe", "moe", 1, 4, 2))
     if gpus >= 2:
         out += [Layout("moe-dp2", "moe", "moe", 2, 8, 2),
@@ -143,6 +145,7 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
 
     config, spec = transformer_config(layout.workload, tiny)
     gpu = accelerator == "gpu"
+    split = [int(n) for n in layout.split.split(",")] if layout.split and "," in layout.split else layout.split
     marks: Dict[str, object] = {}
 
     class Module(L.LightningModule):
@@ -150,7 +153,7 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
             if not hasattr(self, "model"):
                 model_class = LlamaModel if layout.workload == "llama" else GPTModel
                 self.model = VirtualChunks(lambda v: model_class(config, spec["vocab"], spec["seq"], vp_rank=v,
-                                                                 pipeline_layout=layout.split))
+                                                                 pipeline_layout=split))
 
         def forward(self, batch):   # pipeline stages after the first run it on the received activation
             return self.model(batch["input_ids"], labels=batch["labels"])
