@@ -151,6 +151,15 @@ def finish_step(module: Any, result: StepResult, metrics: Metrics, device: torch
     return host["outputs"]
 
 
+def training_outputs(extras: Any, result: StepResult) -> Dict[str, Any]:
+    """What ``on_train_batch_end`` gets: the last stage's other outputs, the loss, and the global batch's token
+    count as one process counts it (per-token losses)."""
+    outputs = dict(extras or {}, loss=result.loss)
+    if result.num_tokens is not None:
+        outputs["num_tokens"] = result.num_tokens
+    return outputs
+
+
 def extract_loss(out: Any, per_token: bool) -> Tuple[torch.Tensor, Optional[Any]]:
     """``(loss, token count)`` from what ``training_step`` returned (the count is ``None`` for mean losses)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out

@@ -35,6 +35,7 @@ from typing_extensions import override
 from ..cuda_graphs.config import CudaGraphConfig
 from ..distributed import FullOptimizerView
 from ..distributed.config import GradientConfig
+from ..distributed.failure import FailureWatch
 from ..distributed.gradients import GradientState
 from ..engine import StepEngine
 from ..engine.replicas import make_replicas_identical, seed_identically
@@ -49,7 +50,7 @@ from ..transformer.config import model_defaults
 from .checkpoint_hooks import ShardedCheckpointHooks
 from .evaluation import EvaluationHooks
 from .last_stage import (Metrics, TrainingLastStage, call_hooks, check_automatic_optimization, check_model_kept,
-                         check_per_token_accumulation, finish_step)
+                         check_per_token_accumulation, finish_step, training_outputs)
 from .loaders import prepare_dataloader
 from .log_capture import DATA_PARALLEL_GROUP
 from .metric_sync import sync_metrics_over_data_parallel
@@ -143,6 +144,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         self._timeout, self._start_method = timeout, start_method
         self.num_nodes = 1
         self.parallel_state: Optional[ParallelState] = None
+        self.failure_watch = FailureWatch()   # a failed rank ends every rank (NCCL; started with the groups)
         self._accumulating = False   # inside Lightning's block_backward_sync: this batch does not end the window
 
     # -- Lightning plumbing --------------------------------------------------------------------------
@@ -195,6 +197,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         state = ParallelState(layout, timeout=self._timeout,
                               virtual_pipeline_size=self.parallel.virtual_pipeline_model_parallel_size)
         self.parallel_state = state.activate()
+        self.failure_watch.start()
         seed_identically(self.parallel_state, self.root_device)
 
     @override
@@ -274,11 +277,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
                                 aux_loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / accumulate,
                                 extras=last_stage.extras)
         self.gradients.hide()   # Lightning zeroes gradients between training_step and backward: keep them away
-        extras = finish_step(module, result, self.metrics, self.root_device)
-        outputs = dict(extras or {}, loss=result.loss)   # what on_train_batch_end gets
-        if result.num_tokens is not None:
-            outputs["num_tokens"] = result.num_tokens   # the global batch's, as one process counts it
-        return outputs
+        return training_outputs(finish_step(module, result, self.metrics, self.root_device), result)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -342,7 +341,9 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A run that failed before its step engine existed leaves no half-built process groups active for the
-        next model built in this process; after setup they stay (``save_checkpoint`` still needs them)."""
+        next model built in this process; after setup they stay (``save_checkpoint`` still needs them). Under NCCL
+        the failure is told to the other ranks and this rank cannot hang in teardown (``distributed/failure.py``)."""
+        self.failure_watch.report(exception)
         if self.engine is None and self.parallel_state is not None:
             self.parallel_state.destroy()
             self.parallel_state = None
@@ -358,4 +359,5 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         """The process groups stay until the next ``setup_environment`` (or process exit), so
         ``trainer.save_checkpoint`` after ``fit`` can still write its shards."""
         self._close_step_machinery()
+        self.failure_watch.stop()
         super().teardown()

@@ -204,7 +204,8 @@ class ParallelState:
         if self._created is None:
             return
         for group in dict.fromkeys(self._created.values()):   # a gloo world's host groups are its pp groups
-            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            # after a failed rank aborted every communicator (distributed/failure.py) none is left to destroy
+            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._created = None
         self._groups = {}
