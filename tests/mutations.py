@@ -244,6 +244,11 @@ MUTATIONS: List[Mutation] = [
              "return _balanced(tuple(model.layers), pp, vp, model.embedding, 0)",
              ("tests/unit/models/test_pipeline_layout.py::test_default_balances_the_output_layer_and_loss_against_the_layers",),
              ci=False),
+    # a failed rank: its peers (stuck in a collective) end by themselves within the grace, naming it
+    Mutation("failure-watch-peers-wait", "lightning_megatron/distributed/failure.py",
+             "            _exit_later(self.exit_after_s, lambda: None, stop)\n", "            pass\n",
+             ("tests/unit/distributed/test_failure_watch.py::test_a_failed_rank_ends_every_rank_and_is_named_by_the_others",),
+             ci=False),
 ]
 
 

@@ -18,7 +18,8 @@ nothing ends until the process-group timeout (30 minutes by default).
    0 turns the watch off, for a script that goes on after catching the error of a multi-GPU fit).
 
 A watcher that saw another rank fail gives its own rank ``exit_after_s`` to end by itself (it may be failing
-too, or a launcher may be ending it), then aborts its communicators and exits with status 1. No host sync is
+too, or a launcher may be ending it), then exits with status 1 (a rank blocked in a collective's wait ignores
+the SIGTERM of torchrun, which would SIGKILL it only 30 s later). No host sync is
 added to the step: the thread only polls the store.
 """
 
@@ -103,7 +104,7 @@ class FailureWatch:
             rank = dist.get_rank() if dist.is_initialized() else "?"
             print(f"lightning_megatron: {message}; rank {rank} stops (no other rank waits for the "
                   f"process-group timeout).", file=sys.stderr, flush=True)
-            _exit_later(self.exit_after_s, lambda: None, stop, abort=True)
+            _exit_later(self.exit_after_s, lambda: None, stop)
             return
 
 
@@ -123,24 +124,31 @@ def _read(store: dist.Store) -> Optional[bytes]:
     return store.get(FAILURE_KEY) if store.check([FAILURE_KEY]) else None
 
 
-def _abort_nccl() -> None:
-    """Abort every NCCL communicator of this process (collectives and destructors then stop waiting)."""
+def _abort_nccl(wait_s: float = 2.0) -> None:
+    """Abort every NCCL communicator of this process (collectives and destructors then stop waiting), on a
+    thread given ``wait_s``: an abort racing a collective kernel may itself block, and the caller must not."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    try:
-        if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
+    if not (torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower()):
+        return
+
+    def abort() -> None:
+        try:
             dist.distributed_c10d._abort_process_group()
-    except Exception:
-        pass
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=abort, name="lightning_megatron-nccl-abort", daemon=True)
+    thread.start()
+    thread.join(wait_s)
 
 
-def _exit_later(seconds: float, say: "object", stopped: threading.Event, abort: bool = False) -> None:
-    """Exit the process with status 1 after ``seconds`` unless it ended (or the watch stopped) by then."""
+def _exit_later(seconds: float, say: "object", stopped: threading.Event) -> None:
+    """Exit the process with status 1 after ``seconds`` unless it ended (or the watch stopped) by then;
+    ``os._exit`` neither runs Python's teardown nor waits for the communicators (the driver frees the GPU)."""
     def last_resort() -> None:
         if stopped.wait(seconds):
             return
-        if abort:
-            _abort_nccl()
         try:
             say()   # type: ignore[operator]
             sys.stderr.flush()
