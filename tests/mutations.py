@@ -249,6 +249,14 @@ MUTATIONS: List[Mutation] = [
              "            _exit_later(self.exit_after_s, lambda: None, stop)\n", "            pass\n",
              ("tests/unit/distributed/test_failure_watch.py::test_a_failed_rank_ends_every_rank_and_is_named_by_the_others",),
              ci=False),
+    # Gemma: norms scale by 1 + weight; GeGLU's GELU is the tanh approximation (transformers' gelu_pytorch_tanh)
+    Mutation("gemma-norm-scales-by-weight", "lightning_megatron/transformer/norm.py",
+             "(out * (1.0 + self.weight.float()))", "(out * self.weight.float())",
+             ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[gemma]",),
+             ci=False),
+    Mutation("geglu-exact-gelu", "lightning_megatron/transformer/mlp.py",
+             'h = F.gelu(gate, approximate="tanh") * up', "h = F.gelu(gate) * up",
+             ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[gemma]",), ci=False),
 ]
 
 

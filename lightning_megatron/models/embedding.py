@@ -72,6 +72,8 @@ class LanguageModelEmbedding(nn.Module):
             raise ValueError(f"sequence length {s * state.cp_size}{share} exceeds max_sequence_length="
                              f"{self.max_sequence_length}; raise it when building the model or truncate the inputs.")
         hidden = self.word_embeddings(input_ids.t())                       # [s(/tp), b, h]
+        if self.config.embedding_multiplier != 1.0:   # Gemma: sqrt(h), rounded to the activations' dtype first
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         if self.position_embeddings is not None:
             if position_ids is None:   # under context parallelism: the global positions of this rank's tokens
                 position_ids = context_parallel_position_ids(s, state.cp_size, state.cp_rank, input_ids.device)

@@ -1,10 +1,12 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Phi-3 checkpoints in and out of a ``LlamaModel``
-at any TP/PP/EP layout.
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Phi-3 / Gemma checkpoints in and out of a
+``LlamaModel`` at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
 rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding-window layers
 (``use_sliding_window``) are refused. Phi-3 fuses q/k/v into one ``qkv_proj`` (all query rows, then key, then
-value) and gate/up into ``gate_up_proj``: segments of one tensor, read the same way.
+value) and gate/up into ``gate_up_proj``: segments of one tensor, read the same way. Gemma (v1) is a Llama with
+a GeGLU MLP (``activation="geglu"``), norms that scale by ``1 + weight`` (``layernorm_zero_centered_gamma``: the
+weights load unchanged) and word embeddings times ``sqrt(hidden_size)`` (``embedding_multiplier``).
 
 Import (``load_hf_llama``, ``llama_from_hf``): every rank opens the safetensors files (one
 ``model.safetensors`` or the shards of ``model.safetensors.index.json``) and reads, with
@@ -46,11 +48,14 @@ if TYPE_CHECKING:
     from ..moe.experts import GroupedMLP
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma": "GemmaForCausalLM"}
 FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
 QKV_BIAS_FAMILIES = ("qwen2",)   # biases on q/k/v only (Hugging Face's Qwen2Attention), none elsewhere
 QK_NORM_FAMILIES = ("qwen3",)    # RMSNorm over each head's queries and keys (q_norm / k_norm)
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
+GEMMA_FAMILIES = ("gemma",)      # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(hidden_size)
+GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 Segments = List[Tuple[Optional[str], int, int]]   # (HF name or None for zeros, first row, end row)
 
 
@@ -94,8 +99,15 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     model_type = hf.get("model_type", "llama")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type={model_type!r} in config.json is not supported; known: {sorted(ARCHITECTURES)}.")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    gemma = model_type in GEMMA_FAMILIES
+    act = (hf.get("hidden_activation") or hf.get("hidden_act") or GEMMA_ACTIVATION) if gemma else hf.get(
+        "hidden_act", "silu")
+    if gemma and act == "gelu":   # the official releases' legacy value, meant (and read by transformers) as tanh
+        act = GEMMA_ACTIVATION
+    if gemma and act != GEMMA_ACTIVATION:
+        raise ValueError(f"hidden_act={act!r} in config.json is not supported for Gemma: its GeGLU MLP is "
+                         f"{GEMMA_ACTIVATION!r} (tanh-approximated GELU) here.")
+    if not gemma and act != "silu":
         raise ValueError(f"hidden_act={act!r} in config.json is not supported: Llama-family MLPs are SwiGLU (silu).")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
@@ -121,6 +133,9 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
         add_qkv_bias=True if model_type in QKV_BIAS_FAMILIES else None,
         qk_layernorm=model_type in QK_NORM_FAMILIES,
     )
+    if gemma:
+        fields.update(activation="geglu", layernorm_zero_centered_gamma=True,
+                      embedding_multiplier=float(hf["hidden_size"]) ** 0.5)
     if model_type == "mixtral":
         from ..moe import MoEConfig
 
@@ -156,7 +171,8 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     c = model.config
     if model_type is None:
         model_type = "mixtral" if c.moe is not None else (base or {}).get("model_type") or (
-            "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias else "mistral" if c.sliding_window else "llama")
+            "gemma" if c.layernorm_zero_centered_gamma else "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias
+            else "mistral" if c.sliding_window else "llama")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}.")
     if c.qkv_bias != (model_type in QKV_BIAS_FAMILIES) or c.add_bias_linear:
@@ -173,6 +189,15 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
         raise ValueError(f"model_type={model_type!r} {'has' if model_type in QK_NORM_FAMILIES else 'has no'} query/key "
                          f"norms, but this model has qk_layernorm={c.qk_layernorm}; use model_type='qwen3' for "
                          f"query/key norms or another family for none.")
+    gemma = (c.activation, c.layernorm_zero_centered_gamma, c.embedding_multiplier) == (
+        "geglu", True, float(c.hidden_size) ** 0.5)
+    if gemma != (model_type in GEMMA_FAMILIES) or (not gemma and (
+            c.activation != "swiglu" or c.layernorm_zero_centered_gamma or c.embedding_multiplier != 1.0)):
+        raise ValueError(f"model_type={model_type!r} describes a model with "
+                         f"{'a GeGLU MLP, norms scaling by 1 + weight and embeddings times sqrt(hidden_size)' if model_type in GEMMA_FAMILIES else 'a SwiGLU MLP, plain norms and unscaled embeddings'}, "
+                         f"but this model has activation={c.activation!r}, layernorm_zero_centered_gamma="
+                         f"{c.layernorm_zero_centered_gamma}, embedding_multiplier={c.embedding_multiplier}; "
+                         f"{'export as gemma' if gemma else 'no Hugging Face family here matches it'}.")
     rope = {"rope_type": "default", "rope_theta": c.rotary_base}
     if c.rope_scaling is not None:
         rope.update(c.rope_scaling)
@@ -183,7 +208,7 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": model.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.query_groups,
-        "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.layernorm_epsilon,
+        "head_dim": c.head_dim, "hidden_act": GEMMA_ACTIVATION if gemma else "silu", "rms_norm_eps": c.layernorm_epsilon,
         "max_position_embeddings": model.max_sequence_length,
         "rope_parameters": rope, "rope_theta": c.rotary_base, "initializer_range": c.init_method_std,
         "attention_dropout": c.attention_dropout,
@@ -194,6 +219,11 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
         out["rope_scaling"] = dict(c.rope_scaling)
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "gemma":
+        if c.sliding_window:
+            raise ValueError("model_type='gemma' has no sliding window; export with sliding_window=None.")
+        out.update(attention_bias=False)
+        out.pop("hidden_activation", None)   # older configs' key for the same activation
     elif model_type in ("qwen2", "qwen3"):
         if c.sliding_window:
             raise ValueError(f"model_type={model_type!r} export of a model with sliding_window is not supported (its "

@@ -10,7 +10,8 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")   # fc1 holds a gate and an up projection
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LAYERNORM_ORDERS = ("pre", "post")
 MASK_TYPES = ("causal", "padding")
@@ -46,6 +47,10 @@ class TransformerConfig:
     longer than it are refused, shorter ones need no window), ``add_qkv_bias`` (Qwen2: biases on the
     query/key/value projections only), ``qk_layernorm`` (Qwen3, OLMo-2 style: ``normalization`` over each
     head's query and key channels, one weight of ``head_dim`` shared by the heads, before the rotation).
+    Gemma: ``activation="geglu"`` (gate and up projections, tanh-approximated GELU on the gate),
+    ``layernorm_zero_centered_gamma`` (Megatron-Core's name: every norm scales by ``1 + weight``, computed in
+    float32, weights stored centred on 0) and ``embedding_multiplier`` (``sqrt(hidden_size)``, in the
+    activations' dtype as transformers applies it).
 
     ``document_attention``: the kernel of attention within packed documents (``document_ids``):
     ``"auto"`` FlexAttention on CUDA without attention dropout and boolean-mask SDPA otherwise,
@@ -58,7 +63,7 @@ class TransformerConfig:
     ffn_hidden_size: Optional[int] = None          # default 4 * hidden_size
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    activation: str = "gelu"                       # gelu | gelu_tanh | swiglu
+    activation: str = "gelu"                       # gelu | gelu_tanh | swiglu | geglu (gated gelu_tanh: Gemma)
     normalization: str = "LayerNorm"               # LayerNorm | RMSNorm
     layernorm_epsilon: float = 1e-5
     layernorm_order: str = "pre"                   # pre | post
@@ -83,6 +88,8 @@ class TransformerConfig:
     add_qkv_bias: Optional[bool] = None            # biases on the query/key/value projections (Qwen2); None: as
                                                    # add_bias_linear (the output projection follows add_bias_linear)
     qk_layernorm: bool = False                     # normalize each head's queries and keys before RoPE (Qwen3)
+    layernorm_zero_centered_gamma: bool = False    # norms scale by (1 + weight), weights start at 0 (Gemma)
+    embedding_multiplier: float = 1.0              # word embeddings times this (Gemma: sqrt(hidden_size))
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -120,6 +127,13 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.document_attention='flex' with attention_dropout="
                              f"{self.attention_dropout}: FlexAttention has no dropout; use document_attention='auto' "
                              f"or 'mask' (boolean-mask SDPA, with dropout), or attention_dropout=0.")
+        if not isinstance(self.layernorm_zero_centered_gamma, bool):
+            raise ValueError(f"TransformerConfig.layernorm_zero_centered_gamma must be True or False, got "
+                             f"{self.layernorm_zero_centered_gamma!r}.")
+        if isinstance(self.embedding_multiplier, bool) or not isinstance(self.embedding_multiplier, (int, float)) \
+                or not self.embedding_multiplier > 0:
+            raise ValueError(f"TransformerConfig.embedding_multiplier must be a positive number, got "
+                             f"{self.embedding_multiplier!r}.")
         if not isinstance(self.qk_layernorm, bool):
             raise ValueError(f"TransformerConfig.qk_layernorm must be True or False, got {self.qk_layernorm!r}.")
         if self.add_qkv_bias not in (None, True, False):

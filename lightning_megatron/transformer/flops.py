@@ -31,7 +31,7 @@ __all__ = ["forward_flops_per_sequence", "linear_training_flops", "training_flop
 
 def _mlp_forward_flops(hidden_size: int, ffn_hidden_size: int, activation: str) -> int:
     """Per token: fc1 (two projections when gated) and fc2."""
-    projections_in = 2 if activation == "swiglu" else 1
+    projections_in = 2 if activation in ("swiglu", "geglu") else 1
     return 2 * hidden_size * ffn_hidden_size * (projections_in + 1)
 
 

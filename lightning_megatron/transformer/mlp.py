@@ -1,7 +1,7 @@
 """The feed-forward block: column-parallel fc1, activation, row-parallel fc2 (seed 002, Figure 3a).
 
 The activation is applied to each rank's slice independently, which is why fc1 is split by
-columns: no communication between the two GEMMs. For SwiGLU, fc1 holds gate and up
+columns: no communication between the two GEMMs. For SwiGLU and GeGLU, fc1 holds gate and up
 projections; ``stride=2`` makes each shard hold its slice of both.
 """
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
-from .config import FFN_SPLIT, TransformerConfig, check_splits_over_tensor_parallel
+from .config import FFN_SPLIT, GATED_ACTIVATIONS, TransformerConfig, check_splits_over_tensor_parallel
 
 
 class MLP(nn.Module):
@@ -23,7 +23,7 @@ class MLP(nn.Module):
         check_splits_over_tensor_parallel("ffn_hidden_size", config.ffn_hidden_size, get_parallel_state().tp_size,
                                           FFN_SPLIT)
         self.activation = config.activation
-        gated = config.activation == "swiglu"
+        gated = config.activation in GATED_ACTIVATIONS
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, bias=config.add_bias_linear,
             init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
@@ -38,6 +38,9 @@ class MLP(nn.Module):
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.activation == "geglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.fc2(h)

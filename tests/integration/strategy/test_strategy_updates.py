@@ -94,6 +94,25 @@ def test_uneven_pipeline_layouts_match_single_process(dense_reference, name):
         assert rank_out["losses"] == pytest.approx(dense_reference["losses"], rel=1e-5, abs=1e-6)
 
 
+# Gemma-style layers: GeGLU, norms scaling by 1 + weight (LayerNorm here; RMSNorm in the Hugging Face import tests),
+# word embeddings times a multiplier
+GEMMA_STYLE = dict(activation="geglu", layernorm_zero_centered_gamma=True, embedding_multiplier=4.0)
+
+
+@pytest.fixture(scope="module")
+def gemma_style_reference():
+    return run_on_ranks(fit_and_record, 1, dict(), GEMMA_STYLE, timeout=120)[0]
+
+
+@pytest.mark.parametrize("name", ["tp2sp", "pp2"])
+def test_gemma_style_layers_match_single_process(gemma_style_reference, name):
+    world, kwargs = DENSE[name]
+    out = run_on_ranks(fit_and_record, world, kwargs, GEMMA_STYLE, timeout=240)
+    assert_same_updates(out[0]["params"], gemma_style_reference["params"])
+    norms = [n for n in gemma_style_reference["params"][0] if "norm" in n and n.endswith("weight")]
+    assert norms and all(gemma_style_reference["params"][0][n].abs().max() < 0.5 for n in norms)   # centred on 0
+
+
 def moe_module(dispatcher="alltoall"):
     """Every other MLP a mixture of experts, balancing losses on with coefficients large enough that
     a wrong scale of their gradient shows in the router's update."""

@@ -53,6 +53,10 @@ FAMILIES = {
     # Hugging Face's fused qkv_proj ([all q; all k; all v]) and gate_up_proj, one key/value head per query head
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
              dict(num_hidden_layers=2, num_key_value_heads=4, pad_token_id=0)),
+    # GeGLU, norms scaling by 1 + weight (random here: transformers starts them at 0), embeddings times sqrt(h),
+    # head_dim 32 != 64/4 (Gemma's 256), GQA 4:2, tied embeddings
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM,
+              dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, pad_token_id=0)),
 }
 # (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
 LAYOUTS = {
@@ -64,6 +68,7 @@ LAYOUTS = {
               (2, 2, 1, None, 1)],
     "qwen3": [(1, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "phi3": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (2, 2, 1, None, 1)],
+    "gemma": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
 }
 
 
@@ -81,6 +86,10 @@ def families(tmp_path_factory):
             for name, param in model.named_parameters():
                 if name.endswith(("proj.bias", "q_norm.weight", "k_norm.weight")):
                     param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+                elif kind == "gemma" and name.endswith("norm.weight"):   # zero-centred: 0 is the identity
+                    param.normal_(0.0, 0.5)
+                elif kind == "gemma" and name.endswith("gate_proj.weight"):   # gates of order 1, where the tanh
+                    param.normal_(0.0, 0.3)                                   # GELU is not the exact one
         path = str(tmp_path_factory.mktemp(kind))
         model.save_pretrained(path, max_shard_size="60KB")
         with torch.no_grad():
@@ -222,6 +231,13 @@ def test_config_from_hf(families):
     assert config_from_hf(families["mistral"]["path"]).head_dim == 32
     assert model_kwargs_from_hf(families["mistral"]["path"])["tie_word_embeddings"] is True
     assert config_from_hf(families["mixtral"]["path"]).moe.num_experts == 4
+    gemma = config_from_hf(families["gemma"]["path"])
+    assert (gemma.activation, gemma.layernorm_zero_centered_gamma, gemma.embedding_multiplier) == ("geglu", True, 8.0)
+    assert model_kwargs_from_hf(families["gemma"]["path"])["tie_word_embeddings"] is True
+    legacy = dict(json.load(open(os.path.join(families["gemma"]["path"], "config.json"))), hidden_act="gelu")
+    assert config_from_hf(legacy).activation == "geglu"   # transformers reads the releases' "gelu" as tanh too
+    with pytest.raises(ValueError, match="hidden_act='relu' in config.json is not supported for Gemma"):
+        config_from_hf(dict(legacy, hidden_act="relu"))
 
 
 def test_errors_name_the_field():
@@ -281,7 +297,7 @@ def _one_sgd_step_like_transformers(path, ids, labels, export_to):
             if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma"])
 def test_one_training_step_equals_transformers(families, kind, tmp_path):
     fam = families[kind]
     pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],
