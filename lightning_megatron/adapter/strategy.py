@@ -340,9 +340,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A run that failed before its step engine existed leaves no half-built process groups active for the
-        next model built in this process; after setup they stay (``save_checkpoint`` still needs them). Under NCCL
-        the failure is told to the other ranks and this rank cannot hang in teardown (``distributed/failure.py``)."""
+        """Other ranks hear of the failure and this rank cannot hang (``distributed/failure.py``); a run that failed
+        before its step engine existed leaves no half-built process groups for the next model built here."""
         self.failure_watch.report(exception)
         if self.engine is None and self.parallel_state is not None:
             self.parallel_state.destroy()
