@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Phi-3 / Gemma checkpoints in and out of a
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 / Gemma checkpoints in and out of a
 ``LlamaModel`` at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
@@ -6,7 +6,9 @@ rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm`
 (``use_sliding_window``) are refused. Phi-3 fuses q/k/v into one ``qkv_proj`` (all query rows, then key, then
 value) and gate/up into ``gate_up_proj``: segments of one tensor, read the same way. Gemma (v1) is a Llama with
 a GeGLU MLP (``activation="geglu"``), norms that scale by ``1 + weight`` (``layernorm_zero_centered_gamma``: the
-weights load unchanged) and word embeddings times ``sqrt(hidden_size)`` (``embedding_multiplier``).
+weights load unchanged) and word embeddings times ``sqrt(hidden_size)`` (``embedding_multiplier``). Qwen3-MoE is
+a Qwen3 whose every MLP is a mixture of experts (router ``mlp.gate``, experts ``mlp.experts.<e>.gate_proj/up_proj/
+down_proj``; ``norm_topk_prob=false`` keeps the top-k of a softmax over all experts: ``pre_softmax=True``).
 
 Import (``load_hf_llama``, ``llama_from_hf``): every rank opens the safetensors files (one
 ``model.safetensors`` or the shards of ``model.safetensors.index.json``) and reads, with
@@ -49,10 +51,14 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma": "GemmaForCausalLM"}
+                 "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
 QKV_BIAS_FAMILIES = ("qwen2",)   # biases on q/k/v only (Hugging Face's Qwen2Attention), none elsewhere
-QK_NORM_FAMILIES = ("qwen3",)    # RMSNorm over each head's queries and keys (q_norm / k_norm)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")   # RMSNorm over each head's queries and keys (q_norm / k_norm)
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# where each MoE family keeps a layer's router and experts, and its names of an expert's gate, up and down projections
+MOE_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+             "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
 GEMMA_FAMILIES = ("gemma",)      # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(hidden_size)
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
@@ -112,7 +118,7 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"{key}=true in config.json is not supported (Llama-family layers have no biases).")
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window=true in config.json ({model_type} sliding-window layers from "
                          f"max_window_layers on) is not supported; import with use_sliding_window=false.")
     rope_params = hf.get("rope_parameters") or {}
@@ -136,13 +142,22 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     if gemma:
         fields.update(activation="geglu", layernorm_zero_centered_gamma=True,
                       embedding_multiplier=float(hf["hidden_size"]) ** 0.5)
-    if model_type == "mixtral":
+    if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+        raise ValueError(f"decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
+                         f"{hf.get('mlp_only_layers')} in config.json (dense MLPs between the sparse ones) are not "
+                         f"supported; every layer must be a mixture of experts (1 / []).")
+    if model_type in MOE_FAMILIES:
         from ..moe import MoEConfig
 
+        qwen = model_type == "qwen3_moe"
         fields["moe"] = MoEConfig(
-            hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"],
-            num_experts=hf["num_local_experts"], topk=hf["num_experts_per_tok"], activation="swiglu",
-            score_function="softmax", pre_softmax=False, capacity_factor=None,
+            hidden_size=hf["hidden_size"], ffn_hidden_size=hf["moe_intermediate_size" if qwen else "intermediate_size"],
+            # Qwen's releases say num_experts; transformers 5 writes num_local_experts for both families
+            num_experts=hf.get("num_experts") or hf["num_local_experts"], topk=hf["num_experts_per_tok"],
+            activation="swiglu", score_function="softmax",
+            # top-k probabilities renormalised (Mixtral always, Qwen3-MoE with norm_topk_prob) = softmax over the
+            # top-k logits; without: softmax over every expert, top-k kept as they are
+            pre_softmax=qwen and not hf.get("norm_topk_prob", False), capacity_factor=None,
             aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0)
         fields["moe_layer_freq"] = 1
         if fields["moe"].aux_loss_coeff and "moe" not in overrides:
@@ -170,7 +185,7 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     config, if any) with every structural key replaced by the model's own."""
     c = model.config
     if model_type is None:
-        model_type = "mixtral" if c.moe is not None else (base or {}).get("model_type") or (
+        model_type = (base or {}).get("model_type") or ("mixtral" if c.moe is not None else None) or (
             "gemma" if c.layernorm_zero_centered_gamma else "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias
             else "mistral" if c.sliding_window else "llama")
     if model_type not in ARCHITECTURES:
@@ -181,6 +196,9 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
                          f"other biases, but this model has add_qkv_bias="
                          f"{c.qkv_bias}, add_bias_linear={c.add_bias_linear}; use model_type='qwen2' for q/k/v "
                          f"biases or 'llama'/'mistral'/'mixtral'/'qwen3' for none.")
+    if model_type == "qwen3_moe" and _moe_family(model) != "qwen3_moe":
+        raise ValueError("model_type='qwen3_moe' export needs a model imported from a qwen3_moe checkpoint (its expert "
+                         "names); export this one as 'mixtral'.")
     if model_type in FUSED_FAMILIES and (not _fused(model) or c.query_groups != c.num_attention_heads):
         raise ValueError(f"model_type={model_type!r} export needs a model imported from a {model_type} checkpoint "
                          f"(its fused qkv_proj/gate_up_proj layout) with as many key/value heads as query heads; "
@@ -224,21 +242,29 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
             raise ValueError("model_type='gemma' has no sliding window; export with sliding_window=None.")
         out.update(attention_bias=False)
         out.pop("hidden_activation", None)   # older configs' key for the same activation
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if c.sliding_window:
             raise ValueError(f"model_type={model_type!r} export of a model with sliding_window is not supported (its "
                              f"window applies from max_window_layers on); export with sliding_window=None.")
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "qwen3_moe"):
             out.update(attention_bias=False)
     else:
         out["sliding_window"] = c.sliding_window
+    if model_type in MOE_FAMILIES and c.moe is None:
+        raise ValueError(f"model_type={model_type!r} describes a mixture-of-experts model, but this model has no "
+                         f"TransformerConfig.moe; use model_type='llama' or 'mistral'.")
+    if model_type not in MOE_FAMILIES and c.moe is not None:
+        raise ValueError(f"model_type={model_type!r} has no mixture-of-experts layers, but this model has "
+                         f"TransformerConfig.moe; use model_type='mixtral' (or 'qwen3_moe' for an imported one).")
+    moe = c.moe
     if model_type == "mixtral":
-        if c.moe is None:
-            raise ValueError("model_type='mixtral' describes a mixture-of-experts model, but this model has no "
-                             "TransformerConfig.moe; use model_type='llama' or 'mistral'.")
-        out.update(num_local_experts=c.moe.num_experts, num_experts_per_tok=c.moe.topk,
-                   intermediate_size=c.moe.ffn_hidden_size)
+        assert moe is not None   # refused above
+        out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk, intermediate_size=moe.ffn_hidden_size)
+    elif model_type == "qwen3_moe":
+        assert moe is not None   # refused above
+        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, moe_intermediate_size=moe.ffn_hidden_size,
+                   norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, mlp_only_layers=[])
     return out
 
 
@@ -317,10 +343,11 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if c.moe is not None and i % c.moe_layer_freq == 0:
             m, f = c.moe, c.moe.ffn_hidden_size
-            shapes[p + "block_sparse_moe.gate.weight"] = (m.num_experts, h)
+            router, expert, (gate, up, down) = MOE_NAMES[_moe_family(model)]
+            shapes[p + router] = (m.num_experts, h)
             for e in range(m.num_experts):
-                q = f"{p}block_sparse_moe.experts.{e}."
-                shapes.update({q + "w1.weight": (f, h), q + "w3.weight": (f, h), q + "w2.weight": (h, f)})
+                q = p + expert.format(e=e)
+                shapes.update({q + f"{gate}.weight": (f, h), q + f"{up}.weight": (f, h), q + f"{down}.weight": (h, f)})
         elif _fused(model):
             shapes.update({p + "mlp.gate_up_proj.weight": (2 * ffn, h), p + "mlp.down_proj.weight": (h, ffn)})
         else:
@@ -374,8 +401,14 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
         return [(p + "mlp.down_proj.weight", 0, c.ffn_hidden_size)], 1
     if rest == "mlp.router.weight":
         assert c.moe is not None   # only MoE layers have a router
-        return [(p + "block_sparse_moe.gate.weight", 0, c.moe.num_experts)], 0
+        return [(p + MOE_NAMES[_moe_family(model)][0], 0, c.moe.num_experts)], 0
     raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
+
+
+def _moe_family(model: GPTModel) -> str:
+    """Whose names a mixture-of-experts model's router and experts take: its checkpoint's family, else Mixtral's."""
+    family = (getattr(model, "hf_config", None) or {}).get("model_type")
+    return family if family in MOE_NAMES else "mixtral"
 
 
 def _fused(model: GPTModel) -> bool:
@@ -408,10 +441,11 @@ def _expert_segments(name: str, expert: int, model: GPTModel) -> Tuple[Segments,
     assert match is not None and moe is not None   # the caller passes MoE layers' expert weights
     layer, which = match.groups()
     f = moe.ffn_hidden_size
-    q = f"{_hf_layer(int(layer))}block_sparse_moe.experts.{expert}."
+    _, prefix, (gate, up, down) = MOE_NAMES[_moe_family(model)]
+    q = _hf_layer(int(layer)) + prefix.format(e=expert)
     if which == "weight1":
-        return [(q + "w1.weight", 0, f), (q + "w3.weight", 0, f)], 0
-    return [(q + "w2.weight", 0, f)], 1
+        return [(q + f"{gate}.weight", 0, f), (q + f"{up}.weight", 0, f)], 0
+    return [(q + f"{down}.weight", 0, f)], 1
 
 
 def _read_range(reader: SafetensorsSlices, segments: Segments, dim: int, start: int, stop: int,

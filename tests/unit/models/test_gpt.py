@@ -96,12 +96,16 @@ def test_padded_batch_equals_sequences_one_by_one(world):
 def test_config_errors_say_the_fix():
     with pytest.raises(ValueError, match="hidden_size=10 is not divisible by num_attention_heads=4"):
         TransformerConfig(num_layers=1, hidden_size=10, num_attention_heads=4)
-    with pytest.raises(ValueError, match=r"activation='relu' is not one of \['gelu', 'gelu_tanh', 'swiglu'\]"):
+    with pytest.raises(ValueError, match=r"activation='relu' is not one of \['gelu', 'gelu_tanh', 'swiglu', 'geglu'\]"):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, activation="relu")
     with pytest.raises(ValueError, match="hidden_dropout must be in"):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, hidden_dropout=1.5)
     with pytest.raises(ValueError, match="num_layers must be a positive integer"):
         TransformerConfig(num_layers=0, hidden_size=8, num_attention_heads=2)
+    with pytest.raises(ValueError, match="embedding_multiplier must be a positive number, got 0"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, embedding_multiplier=0)
+    with pytest.raises(ValueError, match="layernorm_zero_centered_gamma must be True or False, got 'yes'"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, layernorm_zero_centered_gamma="yes")
 
 
 def _heads_not_divisible():

@@ -57,6 +57,11 @@ FAMILIES = {
     # head_dim 32 != 64/4 (Gemma's 256), GQA 4:2, tied embeddings
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM,
               dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, pad_token_id=0)),
+    # Qwen3 attention (per-head q/k norms, head_dim 32) and experts named mlp.experts.<e>.gate_proj/up_proj/down_proj
+    # with router mlp.gate; top-k probabilities not renormalised (norm_topk_prob=false: softmax over every expert)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=48, norm_topk_prob=False)),
 }
 # (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
 LAYOUTS = {
@@ -69,6 +74,7 @@ LAYOUTS = {
     "qwen3": [(1, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "phi3": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (2, 2, 1, None, 1)],
     "gemma": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
+    "qwen3_moe": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1), (2, 2, 1, None, 1)],
 }
 
 
@@ -231,6 +237,12 @@ def test_config_from_hf(families):
     assert config_from_hf(families["mistral"]["path"]).head_dim == 32
     assert model_kwargs_from_hf(families["mistral"]["path"])["tie_word_embeddings"] is True
     assert config_from_hf(families["mixtral"]["path"]).moe.num_experts == 4
+    qwen_moe = json.load(open(os.path.join(families["qwen3_moe"]["path"], "config.json")))
+    moe = config_from_hf(qwen_moe).moe
+    assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.pre_softmax) == (4, 2, 48, True)
+    assert config_from_hf(dict(qwen_moe, norm_topk_prob=True)).moe.pre_softmax is False   # = Mixtral's routing
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=2 / mlp_only_layers=\[\] in config.json"):
+        config_from_hf(dict(qwen_moe, decoder_sparse_step=2))
     gemma = config_from_hf(families["gemma"]["path"])
     assert (gemma.activation, gemma.layernorm_zero_centered_gamma, gemma.embedding_multiplier) == ("geglu", True, 8.0)
     assert model_kwargs_from_hf(families["gemma"]["path"])["tie_word_embeddings"] is True
