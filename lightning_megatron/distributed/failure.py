@@ -114,7 +114,7 @@ def _own_store_client() -> Optional[dist.Store]:
     if not host or not port:
         return None
     try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30),
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10),
                              wait_for_workers=False)
     except Exception:
         return None
