@@ -91,11 +91,16 @@ class Block(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-def _stack(pp, vpp):
+def _stack(pp, vpp, **split):
     state = ParallelState(ParallelLayout(dist.get_world_size(), pp=pp), virtual_pipeline_size=vpp).activate()
-    chunks = [PipelineStack(Block, num_layers=8, vp_rank=v) for v in range(vpp or 1)]
+    chunks = [PipelineStack(Block, num_layers=8, vp_rank=v, **split) for v in range(vpp or 1)]
     return [(c.layer_indices, c.pre_process, c.post_process, [l.linear.weight.sum().item() for l in c.layers])
             for c in chunks]
+
+
+def test_pipeline_stack_balanced_without_costs_is_refused():
+    with pytest.raises(Exception, match=r"pipeline_layout='balanced' needs layer_costs, one number per layer \(8\)"):
+        run_on_ranks(_stack, 2, 2, None, pipeline_layout="balanced", timeout=60)
 
 
 def test_pipeline_stack_builds_this_stage_with_layout_independent_weights():
@@ -108,3 +113,12 @@ def test_pipeline_stack_builds_this_stage_with_layout_independent_weights():
     for stage in stages:
         for indices, _, _, sums in stage:
             assert [weight_of[i] for i in indices] == sums
+    # by hand, and balanced by the user's own costs (the two 5s are the expensive layers)
+    by_hand = run_on_ranks(_stack, 2, 2, 2, pipeline_layout=[1, 4, 0, 3], timeout=60)
+    assert [[c[0] for c in s] for s in by_hand] == [[[0], []], [[1, 2, 3, 4], [5, 6, 7]]]
+    for stage in by_hand:
+        for indices, _, _, sums in stage:
+            assert [weight_of[i] for i in indices] == sums
+    balanced = run_on_ranks(_stack, 2, 2, None, pipeline_layout="balanced", layer_costs=[1, 1, 1, 1, 5, 5, 1, 1],
+                            timeout=60)
+    assert [s[0][0] for s in balanced] == [[0, 1, 2, 3, 4], [5, 6, 7]]   # 9 and 7, not 4 and 12
