@@ -341,8 +341,10 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
                            p + "self_attn.v_proj.bias": (groups * d,)})
         if c.qk_layernorm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-        if c.moe is not None and i % c.moe_layer_freq == 0:
-            m, f = c.moe, c.moe.ffn_hidden_size
+        if c.is_moe_layer(i + 1):
+            m = c.moe
+            assert m is not None   # is_moe_layer
+            f = m.ffn_hidden_size
             router, expert, (gate, up, down) = MOE_NAMES[_moe_family(model)]
             shapes[p + router] = (m.num_experts, h)
             for e in range(m.num_experts):

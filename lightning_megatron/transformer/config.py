@@ -142,6 +142,11 @@ class TransformerConfig:
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Layers 1, 1 + k, 1 + 2k, ... (1-based, as ``TransformerLayer`` numbers them) are mixture-of-experts
+        layers (``moe_layer_freq=k``)."""
+        return self.moe is not None and (layer_number - 1) % self.moe_layer_freq == 0
+
     @property
     def qkv_bias(self) -> bool:
         """Whether the query/key/value projections have biases."""

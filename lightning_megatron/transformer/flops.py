@@ -23,23 +23,47 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .config import TransformerConfig
+from .config import GATED_ACTIVATIONS, TransformerConfig
 
-__all__ = ["forward_flops_per_sequence", "linear_training_flops", "training_flops_per_sequence",
-           "training_flops_per_token"]
+__all__ = ["forward_flops_per_sequence", "layer_forward_flops", "linear_training_flops", "mlp_width",
+           "training_flops_per_sequence", "training_flops_per_token"]
 
 
 def _mlp_forward_flops(hidden_size: int, ffn_hidden_size: int, activation: str) -> int:
     """Per token: fc1 (two projections when gated) and fc2."""
-    projections_in = 2 if activation in ("swiglu", "geglu") else 1
+    projections_in = 2 if activation in GATED_ACTIVATIONS else 1
     return 2 * hidden_size * ffn_hidden_size * (projections_in + 1)
 
 
-def _num_moe_layers(config: TransformerConfig) -> int:
-    """Layers 1, 1 + k, 1 + 2k, ... (1-based) are mixture-of-experts layers (``moe_layer_freq=k``)."""
-    if config.moe is None:
-        return 0
-    return len(range(0, config.num_layers, config.moe_layer_freq))
+def mlp_width(config: TransformerConfig, layer_number: int) -> int:
+    """Hidden units a token activates in layer ``layer_number``'s MLP: the FFN, or its routed and shared experts."""
+    if not config.is_moe_layer(layer_number):
+        assert config.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
+        return config.ffn_hidden_size
+    moe = config.moe
+    assert moe is not None   # config.is_moe_layer
+    return moe.topk * moe.ffn_hidden_size + (moe.shared_expert_ffn_hidden_size or 0)
+
+
+def layer_forward_flops(config: TransformerConfig, layer_number: int, seq_length: int,
+                        *, causal: Optional[bool] = None) -> int:
+    """Matmul FLOPs of layer ``layer_number``'s (1-based) forward over one sequence of ``seq_length`` tokens."""
+    h, s = config.hidden_size, seq_length
+    if causal is None:
+        causal = config.attn_mask_type == "causal"
+    width = config.num_attention_heads * config.head_dim                  # query heads x head size (h by default)
+    kv_width = getattr(config, "query_groups", config.num_attention_heads) * config.head_dim   # fewer under GQA
+    # Q, K, V and output projections over s tokens, then QK^T and AV over s x s (or half of it)
+    attention = 2 * h * (2 * width + 2 * kv_width) * s + (2 if causal else 4) * width * s * s
+    if not config.is_moe_layer(layer_number):
+        assert config.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
+        return attention + s * _mlp_forward_flops(h, config.ffn_hidden_size, config.activation)
+    moe = config.moe
+    assert moe is not None   # config.is_moe_layer
+    routed = moe.topk * _mlp_forward_flops(h, moe.ffn_hidden_size, moe.activation)
+    shared = (_mlp_forward_flops(h, moe.shared_expert_ffn_hidden_size, moe.activation)
+              if moe.shared_expert_ffn_hidden_size else 0)
+    return attention + s * (2 * h * moe.num_experts + routed + shared)
 
 
 def forward_flops_per_sequence(config: TransformerConfig, seq_length: int, vocab_size: Optional[int] = None,
@@ -53,28 +77,9 @@ def forward_flops_per_sequence(config: TransformerConfig, seq_length: int, vocab
     for name, value in (("seq_length", seq_length), ("vocab_size", 1 if vocab_size is None else vocab_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    h, s = config.hidden_size, seq_length
-    if causal is None:
-        causal = config.attn_mask_type == "causal"
-    width = config.num_attention_heads * config.head_dim                  # query heads x head size (h by default)
-    kv_width = getattr(config, "query_groups", config.num_attention_heads) * config.head_dim   # fewer under GQA
-    # per sequence: Q, K, V and output projections over s tokens, then QK^T and AV over s x s (or half of it)
-    projections = 2 * h * (2 * width + 2 * kv_width) * s
-    attention = projections + (2 if causal else 4) * width * s * s
-    moe_layers = _num_moe_layers(config)
-    dense_layers = config.num_layers - moe_layers
-    assert config.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
-    per_token = dense_layers * _mlp_forward_flops(h, config.ffn_hidden_size, config.activation)
-    if moe_layers:
-        moe = config.moe
-        assert moe is not None   # _num_moe_layers counts none without it
-        routed = moe.topk * _mlp_forward_flops(h, moe.ffn_hidden_size, moe.activation)
-        shared = (_mlp_forward_flops(h, moe.shared_expert_ffn_hidden_size, moe.activation)
-                  if moe.shared_expert_ffn_hidden_size else 0)
-        per_token += moe_layers * (2 * h * moe.num_experts + routed + shared)
-    if vocab_size is not None:
-        per_token += 2 * h * vocab_size
-    return config.num_layers * attention + s * per_token
+    layers = sum(layer_forward_flops(config, number, seq_length, causal=causal)
+                 for number in range(1, config.num_layers + 1))
+    return layers + (seq_length * 2 * config.hidden_size * vocab_size if vocab_size is not None else 0)
 
 
 def training_flops_per_sequence(config: TransformerConfig, seq_length: int, vocab_size: Optional[int] = None,

@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
 def build_mlp(config: TransformerConfig, layer_number: int) -> nn.Module:
     """The dense MLP, or an MoE layer on the layers ``config.moe_layer_freq`` selects."""
-    if config.moe is None or (layer_number - 1) % config.moe_layer_freq:
+    if not config.is_moe_layer(layer_number):
         return MLP(config)
     from ..moe import MoELayer   # the dense model does not need the MoE machinery
 
+    assert config.moe is not None   # is_moe_layer
     moe = dataclasses.replace(config.moe, sequence_parallel=config.sequence_parallel)
     return MoELayer(moe, init_method=init_method_normal(config.init_method_std),
                     output_layer_init_method=init_method_normal(config.output_layer_init_std),

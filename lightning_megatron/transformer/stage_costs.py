@@ -16,10 +16,10 @@ loss as 3.9 layers and the embedding as 0.02 (measured on an H200 before the fus
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 from .config import TransformerConfig
-from .flops import _mlp_forward_flops
+from .flops import layer_forward_flops, mlp_width
 
 __all__ = ["FLOPS_PER_BYTE", "ModelCosts", "language_model_costs"]
 
@@ -39,28 +39,6 @@ class ModelCosts(NamedTuple):
     head: int
 
 
-def _layer_forward_flops(config: TransformerConfig, layer_number: int, seq_length: int) -> Tuple[int, int]:
-    """Matmul FLOPs of one layer's forward over one sequence and its MLP's activated width (``layer_number``
-    1-based, as ``TransformerLayer`` numbers them: dense or mixture of experts follows ``moe_layer_freq``)."""
-    h, s = config.hidden_size, seq_length
-    width = config.num_attention_heads * config.head_dim
-    kv_width = getattr(config, "query_groups", config.num_attention_heads) * config.head_dim
-    causal = config.attn_mask_type == "causal"
-    attention = 2 * h * (2 * width + 2 * kv_width) * s + (2 if causal else 4) * width * s * s
-    is_moe = config.moe is not None and (layer_number - 1) % config.moe_layer_freq == 0
-    if not is_moe:
-        assert config.ffn_hidden_size is not None   # TransformerConfig.__post_init__ filled it
-        return (attention + s * _mlp_forward_flops(h, config.ffn_hidden_size, config.activation),
-                config.ffn_hidden_size)
-    moe = config.moe
-    assert moe is not None
-    routed = moe.topk * _mlp_forward_flops(h, moe.ffn_hidden_size, moe.activation)
-    shared = (_mlp_forward_flops(h, moe.shared_expert_ffn_hidden_size, moe.activation)
-              if moe.shared_expert_ffn_hidden_size else 0)
-    return (attention + s * (2 * h * moe.num_experts + routed + shared),
-            moe.topk * moe.ffn_hidden_size + (moe.shared_expert_ffn_hidden_size or 0))
-
-
 def language_model_costs(config: TransformerConfig, seq_length: int, vocab_size: Optional[int],
                          head_flops_per_token: int = 0, recompute_output_layer: bool = False) -> ModelCosts:
     """Costs of a language model's pieces per training sequence.
@@ -74,9 +52,8 @@ def language_model_costs(config: TransformerConfig, seq_length: int, vocab_size:
     h, s = config.hidden_size, seq_length
     layers = []
     for number in range(1, config.num_layers + 1):
-        flops, ffn = _layer_forward_flops(config, number, s)
-        memory = 2 * (_LAYER_HIDDEN_PASSES * h + _LAYER_FFN_PASSES * ffn) * s
-        layers.append(passes * flops + FLOPS_PER_BYTE * memory)
+        memory = 2 * (_LAYER_HIDDEN_PASSES * h + _LAYER_FFN_PASSES * mlp_width(config, number)) * s
+        layers.append(passes * layer_forward_flops(config, number, s) + FLOPS_PER_BYTE * memory)
     head = 3 * head_flops_per_token * s
     if vocab_size is not None:
         head += (4 if recompute_output_layer else 3) * 2 * h * vocab_size * s
