@@ -240,8 +240,7 @@ MUTATIONS: List[Mutation] = [
              "vp_rank, first_stage_layers, last_stage_layers, layout))", "vp_rank, first_stage_layers, last_stage_layers))",
              ("tests/unit/models/test_pipeline_layout.py::test_even_by_hand_and_the_pinned_ends",), ci=False),
     Mutation("balanced-layout-without-the-head", "lightning_megatron/models/pipeline_layout.py",
-             "return _balanced(tuple(model.layers), pp, vp, model.embedding, model.head)",
-             "return _balanced(tuple(model.layers), pp, vp, model.embedding, 0)",
+             "return model.layers, model.embedding, model.head", "return model.layers, model.embedding, 0",
              ("tests/unit/models/test_pipeline_layout.py::test_default_balances_the_output_layer_and_loss_against_the_layers",),
              ci=False),
     # a failed rank: its peers (stuck in a collective) end by themselves within the grace, naming it

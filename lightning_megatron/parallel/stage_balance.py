@@ -16,13 +16,18 @@ on earlier chunks. Every rank computes the same answer from the same numbers.
 
 from __future__ import annotations
 
+import functools
 from itertools import accumulate
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ._checks import check_int
+from .stages import check_layout, split_layout
 from .topology import ParallelConfigError
 
-__all__ = ["balanced_layout", "chunk_costs", "stage_costs"]
+__all__ = ["PipelineLayout", "StackCosts", "balanced_layout", "chunk_costs", "resolve_layout", "stage_costs"]
+
+PipelineLayout = Union[None, str, Sequence[int]]          # what a model's ``pipeline_layout`` argument takes
+StackCosts = Tuple[Sequence[int], int, int]               # (every layer's cost, the first chunk's extra, the last's)
 
 _PAIR_MOVES_UP_TO = 240   # single moves (16 chunks); beyond, pairs of moves cost seconds and only single ones run
 
@@ -148,3 +153,40 @@ def _improve_stages(layout: Tuple[int, ...], costs: List[int], pp: int, first: i
         if better is None:
             return tuple(current)
         current, current_key = better, key(better)
+
+
+def resolve_layout(pipeline_layout: PipelineLayout, num_layers: int, pp_size: int, vp_size: Optional[int] = None,
+                   costs: Optional[Callable[[], StackCosts]] = None, first_stage_layers: Optional[int] = None,
+                   last_stage_layers: Optional[int] = None, default: str = "even") -> Tuple[int, ...]:
+    """A stack's ``pipeline_layout`` argument as layers per virtual stage (model order), one error naming it
+    (raised the same on every rank: the inputs are the same). None: ``default`` ("balanced" for the models, which
+    count their own costs; "even" for a user's stack) unless ``first_stage_layers``/``last_stage_layers`` pin the
+    even split's ends; "even"; "balanced" (``costs()`` gives the numbers, called only then); or a list."""
+    pinned = first_stage_layers is not None or last_stage_layers is not None
+    vp = vp_size if vp_size and vp_size > 1 else None
+    if pipeline_layout is None:
+        pipeline_layout = "even" if pinned or pp_size == 1 else default
+    elif pinned:
+        raise ParallelConfigError(
+            f"pipeline_layout={pipeline_layout!r} and first_stage_layers/last_stage_layers both say how to split the "
+            f"layers: give one of them (pipeline_layout=[...] gives every stage its count).")
+    if pipeline_layout == "even":
+        return split_layout(num_layers, pp_size, vp, first_stage_layers, last_stage_layers)
+    if pipeline_layout == "balanced":
+        if pp_size == 1:
+            return (num_layers,)
+        if costs is None:
+            raise ParallelConfigError("pipeline_layout='balanced' needs the layers' costs (layer_costs=[...], one "
+                                      "number per layer); or give pipeline_layout as a list.")
+        layers, first, last = costs()
+        if len(layers) != num_layers:
+            raise ParallelConfigError(f"pipeline_layout='balanced' got {len(layers)} layer costs for num_layers="
+                                      f"{num_layers}: give one number per layer.")
+        return _balanced(tuple(int(c) for c in layers), pp_size, vp or 1, int(first), int(last))
+    return check_layout(pipeline_layout, num_layers, pp_size, vp)
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(layers: Tuple[int, ...], pp: int, vp: int, first: int, last: int) -> Tuple[int, ...]:
+    """Every chunk of every rank asks for the same layout: compute it once."""
+    return balanced_layout(layers, pp, vp, first, last)

@@ -13,14 +13,13 @@ equal split), a list of every virtual stage's layer count in model order, or ``"
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..parallel import ParallelConfigError, chunk_position, get_parallel_state
-from ..parallel.stage_balance import balanced_layout
-from ..parallel.stages import check_layout, split_layout
+from ..parallel import chunk_position, get_parallel_state
+from ..parallel.stage_balance import PipelineLayout, resolve_layout
 from ..transformer.stage_layers import build_stage_layers
 
 
@@ -30,11 +29,13 @@ class PipelineStack(nn.Module):
     def __init__(self, build_layer: Callable[[int], nn.Module], num_layers: int, init_seed: int = 1234,
                  vp_rank: int = 0, first_stage_layers: Optional[int] = None,
                  last_stage_layers: Optional[int] = None,
-                 pipeline_layout: Union[None, str, Sequence[int]] = None,
-                 layer_costs: Optional[Sequence[int]] = None) -> None:
+                 pipeline_layout: PipelineLayout = None, layer_costs: Optional[Sequence[int]] = None) -> None:
         super().__init__()
-        self.pipeline_layout: Tuple[int, ...] = _stack_layout(num_layers, pipeline_layout, layer_costs,
-                                                              first_stage_layers, last_stage_layers)
+        state = get_parallel_state()
+        costs = None if layer_costs is None else (lambda: (layer_costs, 0, 0))
+        self.pipeline_layout: Tuple[int, ...] = resolve_layout(pipeline_layout, num_layers, state.pp_size,
+                                                               state.virtual_pipeline_size, costs,
+                                                               first_stage_layers, last_stage_layers)
         self.layers, self.layer_indices = build_stage_layers(num_layers, build_layer, init_seed, vp_rank,
                                                              layout=self.pipeline_layout)
         self.pre_process, self.post_process = chunk_position(vp_rank)
@@ -58,20 +59,3 @@ class PipelineStack(nn.Module):
             x = layer(x)
         return x
 
-
-def _stack_layout(num_layers: int, pipeline_layout: Union[None, str, Sequence[int]],
-                  layer_costs: Optional[Sequence[int]], first: Optional[int], last: Optional[int]) -> Tuple[int, ...]:
-    state = get_parallel_state()
-    pp, vp = state.pp_size, state.virtual_pipeline_size
-    if pipeline_layout in (None, "even"):
-        return split_layout(num_layers, pp, vp, first, last)
-    if first is not None or last is not None:
-        raise ParallelConfigError(f"PipelineStack pipeline_layout={pipeline_layout!r} and first_stage_layers/"
-                                  f"last_stage_layers both say how to split the layers: give one of them.")
-    if pipeline_layout == "balanced":
-        if layer_costs is None or len(layer_costs) != num_layers:
-            raise ParallelConfigError(
-                f"PipelineStack pipeline_layout='balanced' needs layer_costs, one number per layer ({num_layers}), "
-                f"got {None if layer_costs is None else len(layer_costs)}; or give pipeline_layout as a list.")
-        return balanced_layout([int(c) for c in layer_costs], pp, vp)
-    return check_layout(pipeline_layout, num_layers, pp, vp)

@@ -99,8 +99,10 @@ def _stack(pp, vpp, **split):
 
 
 def test_pipeline_stack_balanced_without_costs_is_refused():
-    with pytest.raises(Exception, match=r"pipeline_layout='balanced' needs layer_costs, one number per layer \(8\)"):
+    with pytest.raises(Exception, match=r"pipeline_layout='balanced' needs the layers' costs \(layer_costs=\[\.\.\.\]"):
         run_on_ranks(_stack, 2, 2, None, pipeline_layout="balanced", timeout=60)
+    with pytest.raises(Exception, match=r"pipeline_layout='balanced' got 3 layer costs for num_layers=8"):
+        run_on_ranks(_stack, 2, 2, None, pipeline_layout="balanced", layer_costs=[1, 2, 3], timeout=60)
 
 
 def test_pipeline_stack_builds_this_stage_with_layout_independent_weights():
