@@ -30,7 +30,7 @@ def train(compiled: bool, steps: int, sp: bool, dropout: float, device: str, bac
 
     if device == "cuda":
         torch.cuda.set_device(dist.get_rank())
-    state = ParallelState(ParallelLayout(dist.get_world_size(), tp=2)).activate()
+    state = ParallelState(ParallelLayout(dist.get_world_size(), tp=dist.get_world_size())).activate()
     torch._dynamo.reset()
     model_parallel_seed(3)
     cfg = llama_config(2, 32, 4, num_query_groups=2, ffn_hidden_size=64, sequence_parallel=sp,
@@ -69,11 +69,12 @@ def main() -> None:
     parser.add_argument("--sp", type=int, default=1)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=2, help="ranks (all tensor parallel); 1 is the numerics control")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: tracing only)")
     args = parser.parse_args()
-    rows = run_on_ranks(compare, 2, args.steps, bool(args.sp), args.dropout, args.device, args.backend,
+    rows = run_on_ranks(compare, args.tp, args.steps, bool(args.sp), args.dropout, args.device, args.backend,
                         backend="nccl" if args.device == "cuda" else "gloo", timeout=600)[0]
-    print(f"tp2 sp={bool(args.sp)} dropout={args.dropout} {args.device} backend={args.backend}")
+    print(f"tp{args.tp} sp={bool(args.sp)} dropout={args.dropout} {args.device} backend={args.backend}")
     for step, eager, compiled, (diff, name) in rows:
         print(f"step {step}: loss eager {eager:.7f} compiled {compiled:.7f}  max |grad diff| {diff:.2e} ({name})")
 

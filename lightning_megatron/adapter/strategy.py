@@ -93,7 +93,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             <their count>}`` and the gradients are divided by the global batch's token count: one process's
             per-token mean however the labelled tokens spread over micro-batches, data and context ranks.
         compile_layers: ``torch.compile`` each ``TransformerLayer`` (``transformer/compile.py``): True, False,
-            ``"auto"`` (default: on CUDA at tp = cp = 1) or ``torch.compile`` keywords (``{"mode": "max-autotune"}``).
+            ``"auto"`` (default: on CUDA at cp = 1) or ``torch.compile`` keywords (``{"mode": "max-autotune"}``).
 
     ``overlap_grad_reduce``, ``bucket_size``, ``grad_reduce_in_fp32`` or the distributed optimizer put gradients in
     buffers (``param.main_grad``); without them they stay in ``.grad``, reduced by one coalesced all-reduce.
@@ -209,8 +209,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_automatic_optimization(self.lightning_module)
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
-        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().tp_size,
-                             self._state().cp_size, self.graph_config.cuda_graph)
+        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size,
+                             self.graph_config.cuda_graph)
         report_pipeline_layout(self.lightning_module, self._state())
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)

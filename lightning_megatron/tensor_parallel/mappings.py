@@ -49,7 +49,15 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 # -- raw collectives (no autograd) ------------------------------------------------------------------
 
+# torch.compile does not trace the collectives: each one is a graph break (``torch._dynamo.disable``) and runs
+# eagerly, its autograd function too, so compiled layers fuse what lies between collectives and communicate exactly
+# as eager layers do. Traced, they were wrong on GPUs (issue #32): torch 2.11's remap of the in-place c10d calls gave
+# the first layer's input a wrong gradient at tensor-parallel size 2 (NCCL and gloo alike), and c10d's functional
+# collectives did too with sequence parallelism; torch 2.13 traced both exactly. Eager cost of the wrapper: ~1 µs.
+_eager = torch._dynamo.disable
 
+
+@_eager
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
@@ -70,6 +78,7 @@ def split_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
+@_eager
 def gather_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     if size == 1:
@@ -80,6 +89,7 @@ def gather_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> tor
     return out.movedim(0, dim).contiguous()
 
 
+@_eager
 def reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     if size == 1:
@@ -180,34 +190,39 @@ class _ReduceScatterFirstDim(torch.autograd.Function):
 # -- public ops -------------------------------------------------------------------------------------
 
 
+@_eager
+def _eager_apply(function, *args):
+    return function.apply(*args)
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """The paper's f: identity forward, all-reduce of the gradient backward."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _eager_apply(_CopyToRegion, x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """The paper's g: all-reduce forward, identity backward."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _eager_apply(_ReduceFromRegion, x, group)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; the gradient is all-gathered back."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else _ScatterLastDim.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _eager_apply(_ScatterLastDim, x, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """All-gather along the last dimension; the gradient is split back."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else _GatherLastDim.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _eager_apply(_GatherLastDim, x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Keep this rank's slice of the first (sequence) dimension; the gradient is all-gathered."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else _ScatterFirstDim.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _eager_apply(_ScatterFirstDim, x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
@@ -221,11 +236,11 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.P
     group = resolve_group(group)
     if dist.get_world_size(group) == 1:
         return x
-    return _GatherFirstDim.apply(x, group, tensor_parallel_output_grad)
+    return _eager_apply(_GatherFirstDim, x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
                                                group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Sum partial results over the group and keep this rank's sequence slice; backward all-gathers."""
     group = resolve_group(group)
-    return x if dist.get_world_size(group) == 1 else _ReduceScatterFirstDim.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _eager_apply(_ReduceScatterFirstDim, x, group)

@@ -7,9 +7,9 @@ attention stays SDPA's kernels, so the gain is the elementwise traffic.
 What is compiled: a layer's eager bodies (``_forward``, ``_attention_block``, ``_mlp_block``), bound on the
 instance, not the module's ``__call__``: the module tree and the state dict are unchanged (no ``_orig_mod``:
 a checkpoint saved compiled resumes eager and the reverse), and per-layer CUDA graphs capture the compiled
-code (their pieces take those bodies). The tensor-parallel collectives (autograd functions around c10d
-calls) are traced into the graph, so compiled layers work at every tensor-, sequence- and context-parallel
-size. An MoE layer compiles its attention block only: token dispatch reads counts on the host.
+code (their pieces take those bodies). The tensor- and context-parallel collectives are graph breaks that run
+eagerly (``tensor_parallel/mappings.py`` says why), so compiled layers communicate exactly as eager ones at every
+tensor-, sequence- and context-parallel size, and inductor fuses what lies between two collectives. An MoE layer compiles its attention block only: token dispatch reads counts on the host.
 
 Dropout is drawn by PyTorch's eager generator inside the graph (inductor's ``fallback_random``), so the masks
 are the eager ones: tensor-parallel ranks agree where they must and differ where they must, and a compiled
@@ -51,20 +51,19 @@ def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any
                      f"run them eagerly; compile on CUDA devices only) or a dict of torch.compile keywords.")
 
 
-def resolve_compile_layers(value: CompileLayers, device: torch.device, tp: int = 1, cp: int = 1,
+def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int = 1,
                            cuda_graph: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """The ``torch.compile`` keywords to compile the layers with, or None (eager).
 
-    ``"auto"`` compiles where it is measured faster and checked on GPUs: CUDA at tensor- and context-parallel
-    size 1 without the full-iteration CUDA graph (see benchmarks/RESULTS.md); elsewhere it runs eagerly. On the
-    CPU it does not compile (compiling costs more than it saves for the CPU's tiny test models). Asked for
-    explicitly on CUDA where GPUs have not confirmed it (tp or cp > 1: a float32 tp2 run diverged from eager at
-    its second step on two H200s; ``cuda_graph="full"``: the capture failed), it is refused with the fix; the
-    CPU (gloo) runs those layouts compiled and equal to eager (the tests)."""
+    ``"auto"`` compiles where it is measured faster and checked on GPUs: CUDA at context-parallel size 1 without
+    the full-iteration CUDA graph (see benchmarks/RESULTS.md; tensor parallelism included: its collectives stay
+    eager, tensor_parallel/mappings.py); elsewhere it runs eagerly. On the CPU it does not compile (compiling costs
+    more than it saves for the CPU's tiny test models).
+    Asked for explicitly on CUDA where GPUs have not confirmed it (cp > 1; ``cuda_graph="full"``: the capture
+    failed), it is refused with the fix; the CPU (gloo) runs those layouts compiled and equal to eager (the tests)."""
     value = check_compile_layers(value)
     on_cuda = device.type == "cuda"
-    unconfirmed = [what for what, bad in (("tensor_model_parallel_size > 1", tp > 1),
-                                          ("context_parallel_size > 1", cp > 1),
+    unconfirmed = [what for what, bad in (("context_parallel_size > 1", cp > 1),
                                           ("cuda_graph='full'", cuda_graph == "full")) if bad]
     if value == "auto":
         return {} if on_cuda and not unconfirmed else None
@@ -118,11 +117,11 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     return len(layers)
 
 
-def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, tp: int = 1, cp: int = 1,
+def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
                          cuda_graph: Optional[str] = None) -> int:
     """The strategy's ``compile_layers`` switch on ``model`` for ``device`` and the layout (see
     :func:`resolve_compile_layers`): how many layers it compiled."""
-    kwargs = resolve_compile_layers(setting, device, tp, cp, cuda_graph)
+    kwargs = resolve_compile_layers(setting, device, cp, cuda_graph)
     return 0 if kwargs is None else compile_layers(model, **kwargs)
 
 

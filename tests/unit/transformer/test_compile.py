@@ -25,17 +25,15 @@ def test_auto_compiles_on_cuda_where_gpus_confirmed_it():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_compile_layers("auto", cpu) is None
     assert resolve_compile_layers(None, cuda) == {}
-    assert resolve_compile_layers("auto", cuda, tp=2) is None          # not yet confirmed on GPUs: eager
     assert resolve_compile_layers("auto", cuda, cp=2) is None
     assert resolve_compile_layers("auto", cuda, cuda_graph="full") is None
     assert resolve_compile_layers("auto", cuda, cuda_graph="partial") == {}
-    assert resolve_compile_layers(True, cpu, tp=2, cp=2, cuda_graph="full") == {}   # the CPU runs them (tests)
+    assert resolve_compile_layers(True, cpu, cp=2, cuda_graph="full") == {}   # the CPU runs them (tests)
     assert resolve_compile_layers(False, cuda) is None
     assert resolve_compile_layers({"backend": "aot_eager"}, cpu) == {"backend": "aot_eager"}
 
 
-@pytest.mark.parametrize("layout,named", [(dict(tp=2), "tensor_model_parallel_size > 1"),
-                                          (dict(cp=2), "context_parallel_size > 1"),
+@pytest.mark.parametrize("layout,named", [(dict(cp=2), "context_parallel_size > 1"),
                                           (dict(cuda_graph="full"), "cuda_graph='full'")])
 def test_explicit_compile_where_gpus_have_not_confirmed_it_is_refused(layout, named):
     with pytest.raises(ValueError, match=f"compile_layers=True on CUDA with {named}.*compile_layers=False"):
@@ -110,8 +108,11 @@ def test_inductor_layers_equal_eager_with_dropout_under_tensor_parallel(sequence
         for name, grad in eager[1].items():
             torch.testing.assert_close(compiled[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert compiled[2]["unique_graphs"] >= 1
-        if sequence_parallel:   # one graph for all three layers, nothing left eager
-            assert compiled[2]["unique_graphs"] == 1 and not compiled[3], compiled
+        if sequence_parallel:   # (without it, dropout's tensor-parallel RNG fork breaks the graph too)
+            # every graph break is a tensor-parallel collective left eager (tensor_parallel/mappings.py), and the
+            # three layers share their graphs (the pieces between one layer's collectives: at most 10)
+            assert compiled[3] and all("_eager_apply" in reason for reason in compiled[3]), compiled[3]
+            assert compiled[2]["unique_graphs"] <= 10, compiled[2]
 
 
 def _fit_and_list_compiled(setting):
