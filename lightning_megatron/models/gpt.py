@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..moe.pooled_aux_loss import check_pooled_layout
 from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
 from ..transformer.config import with_strategy_defaults
@@ -89,6 +90,8 @@ class GPTModel(nn.Module):
             lambda: language_model_costs(config, max_sequence_length, vocab_size,
                                          recompute_output_layer=cross_entropy_chunk_size is not None),
             first_stage_layers, last_stage_layers)
+        state = get_parallel_state()
+        check_pooled_layout(config, self.pipeline_layout, state.pp_size, state.virtual_pipeline_size)
         self.decoder = TransformerBlock(config, vp_rank, pipeline_layout=self.pipeline_layout)
         self.output_weight: Optional[nn.Parameter] = None
         if self.post_process and not (tie_word_embeddings and self.pre_process):

@@ -9,6 +9,15 @@ a GeGLU MLP (``activation="geglu"``), norms that scale by ``1 + weight`` (``laye
 weights load unchanged) and word embeddings times ``sqrt(hidden_size)`` (``embedding_multiplier``). Qwen3-MoE is
 a Qwen3 whose every MLP is a mixture of experts (router ``mlp.gate``, experts ``mlp.experts.<e>.gate_proj/up_proj/
 down_proj``; ``norm_topk_prob=false`` keeps the top-k of a softmax over all experts: ``pre_softmax=True``).
+Qwen2-MoE is a Qwen2 (q/k/v biases, unless ``qkv_bias=false``) whose MLPs are Qwen3-MoE's experts plus a shared
+expert (``mlp.shared_expert``, our ``shared_experts``) gated per token by ``sigmoid(mlp.shared_expert_gate(x))``
+(``MoEConfig.shared_expert_gate``).
+
+Balancing loss of the MoE families: transformers adds ``router_aux_loss_coef`` times its ``load_balancing_loss_func``
+(pooled over all layers' router logits) to the training loss only with ``output_router_logits=true``. The import
+does the same: that coefficient with ``aux_loss_type="hf_pooled"`` (``moe.pooled_aux_loss``), so a training step
+equals transformers' own; with ``output_router_logits=false`` no balancing loss. Megatron's per-layer loss stays the
+default of native models (``MoEConfig``); pass ``config_overrides={"moe": MoEConfig(...)}`` to train an import with it.
 
 Import (``load_hf_llama``, ``llama_from_hf``): every rank opens the safetensors files (one
 ``model.safetensors`` or the shards of ``model.safetensors.index.json``) and reads, with
@@ -32,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -51,14 +59,17 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
-QKV_BIAS_FAMILIES = ("qwen2",)   # biases on q/k/v only (Hugging Face's Qwen2Attention), none elsewhere
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")   # biases on q/k/v only (Qwen2Attention; qwen2_moe: its qkv_bias)
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")   # RMSNorm over each head's queries and keys (q_norm / k_norm)
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+QWEN_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")   # softmax over every expert, top-k renormalised with norm_topk_prob
 # where each MoE family keeps a layer's router and experts, and its names of an expert's gate, up and down projections
 MOE_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
-             "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+             "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+             "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+SHARED_EXPERT = "mlp.shared_expert."   # Qwen2-MoE's shared expert (gate/up/down_proj) and its gate
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
 GEMMA_FAMILIES = ("gemma",)      # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(hidden_size)
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
@@ -118,7 +129,7 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"{key}=true in config.json is not supported (Llama-family layers have no biases).")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
         raise ValueError(f"use_sliding_window=true in config.json ({model_type} sliding-window layers from "
                          f"max_window_layers on) is not supported; import with use_sliding_window=false.")
     rope_params = hf.get("rope_parameters") or {}
@@ -136,20 +147,24 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
         attention_dropout=hf.get("attention_dropout", 0.0) or 0.0, init_method_std=hf.get("initializer_range", 0.02),
         rotary_base=base, rope_scaling=scaling,
         sliding_window=hf.get("sliding_window") if model_type in WINDOWED_FAMILIES else None,
-        add_qkv_bias=True if model_type in QKV_BIAS_FAMILIES else None,
+        add_qkv_bias=True if model_type in QKV_BIAS_FAMILIES and hf.get("qkv_bias", True) else None,
         qk_layernorm=model_type in QK_NORM_FAMILIES,
     )
     if gemma:
         fields.update(activation="geglu", layernorm_zero_centered_gamma=True,
                       embedding_multiplier=float(hf["hidden_size"]) ** 0.5)
-    if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+    if model_type in QWEN_MOE_FAMILIES and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
         raise ValueError(f"decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
                          f"{hf.get('mlp_only_layers')} in config.json (dense MLPs between the sparse ones) are not "
                          f"supported; every layer must be a mixture of experts (1 / []).")
     if model_type in MOE_FAMILIES:
         from ..moe import MoEConfig
 
-        qwen = model_type == "qwen3_moe"
+        qwen = model_type in QWEN_MOE_FAMILIES
+        shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+        if model_type == "qwen2_moe" and not shared:
+            raise ValueError(f"shared_expert_intermediate_size={shared} in config.json is not supported: Qwen2-MoE "
+                             f"layers here have a shared expert of positive width.")
         fields["moe"] = MoEConfig(
             hidden_size=hf["hidden_size"], ffn_hidden_size=hf["moe_intermediate_size" if qwen else "intermediate_size"],
             # Qwen's releases say num_experts; transformers 5 writes num_local_experts for both families
@@ -158,16 +173,11 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
             # top-k probabilities renormalised (Mixtral always, Qwen3-MoE with norm_topk_prob) = softmax over the
             # top-k logits; without: softmax over every expert, top-k kept as they are
             pre_softmax=qwen and not hf.get("norm_topk_prob", False), capacity_factor=None,
-            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0)
+            shared_expert_ffn_hidden_size=shared, shared_expert_gate=bool(shared),
+            # transformers' own loss, added only when it returns the router logits (see the module doc)
+            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0,
+            aux_loss_type="hf_pooled")
         fields["moe_layer_freq"] = 1
-        if fields["moe"].aux_loss_coeff and "moe" not in overrides:
-            warnings.warn(
-                f"config.json asks for transformers' load-balancing loss (output_router_logits=true, "
-                f"router_aux_loss_coef={hf.get('router_aux_loss_coef')}); the import trains with Megatron's per-layer "
-                f"balancing loss at that coefficient instead (summed over layers, not transformers' loss pooled over "
-                f"all layers' router logits), so a training step differs from transformers' own. Pass "
-                f"config_overrides={{'moe': MoEConfig(...)}} to choose the loss explicitly (this warning then goes).",
-                UserWarning, stacklevel=2)
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -190,15 +200,21 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
             else "mistral" if c.sliding_window else "llama")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}.")
-    if c.qkv_bias != (model_type in QKV_BIAS_FAMILIES) or c.add_bias_linear:
+    if (c.qkv_bias != (model_type in QKV_BIAS_FAMILIES) and not (model_type == "qwen2_moe" and not c.qkv_bias)) \
+            or c.add_bias_linear:
         described = "with" if model_type in QKV_BIAS_FAMILIES else "without"
         raise ValueError(f"model_type={model_type!r} describes a model {described} query/key/value biases and no "
                          f"other biases, but this model has add_qkv_bias="
                          f"{c.qkv_bias}, add_bias_linear={c.add_bias_linear}; use model_type='qwen2' for q/k/v "
                          f"biases or 'llama'/'mistral'/'mixtral'/'qwen3' for none.")
-    if model_type == "qwen3_moe" and _moe_family(model) != "qwen3_moe":
-        raise ValueError("model_type='qwen3_moe' export needs a model imported from a qwen3_moe checkpoint (its expert "
-                         "names); export this one as 'mixtral'.")
+    if model_type in QWEN_MOE_FAMILIES and _moe_family(model) != model_type:
+        raise ValueError(f"model_type={model_type!r} export needs a model imported from a {model_type} checkpoint (its "
+                         f"expert names); export this one as 'mixtral'.")
+    gated_shared = c.moe is not None and bool(c.moe.shared_expert_ffn_hidden_size) and c.moe.shared_expert_gate
+    if c.moe is not None and (model_type == "qwen2_moe") != gated_shared:
+        raise ValueError(f"model_type={model_type!r}: Qwen2-MoE (and only it) has a shared expert with a sigmoid gate, "
+                         f"but this model has shared_expert_ffn_hidden_size={c.moe.shared_expert_ffn_hidden_size}, "
+                         f"shared_expert_gate={c.moe.shared_expert_gate}.")
     if model_type in FUSED_FAMILIES and (not _fused(model) or c.query_groups != c.num_attention_heads):
         raise ValueError(f"model_type={model_type!r} export needs a model imported from a {model_type} checkpoint "
                          f"(its fused qkv_proj/gate_up_proj layout) with as many key/value heads as query heads; "
@@ -242,7 +258,7 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
             raise ValueError("model_type='gemma' has no sliding window; export with sliding_window=None.")
         out.update(attention_bias=False)
         out.pop("hidden_activation", None)   # older configs' key for the same activation
-    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         if c.sliding_window:
             raise ValueError(f"model_type={model_type!r} export of a model with sliding_window is not supported (its "
                              f"window applies from max_window_layers on); export with sliding_window=None.")
@@ -261,10 +277,12 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     if model_type == "mixtral":
         assert moe is not None   # refused above
         out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk, intermediate_size=moe.ffn_hidden_size)
-    elif model_type == "qwen3_moe":
+    elif model_type in QWEN_MOE_FAMILIES:
         assert moe is not None   # refused above
         out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, moe_intermediate_size=moe.ffn_hidden_size,
                    norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, mlp_only_layers=[])
+        if model_type == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size, qkv_bias=bool(c.qkv_bias))
     return out
 
 
@@ -350,6 +368,11 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
             for e in range(m.num_experts):
                 q = p + expert.format(e=e)
                 shapes.update({q + f"{gate}.weight": (f, h), q + f"{up}.weight": (f, h), q + f"{down}.weight": (h, f)})
+            if m.shared_expert_ffn_hidden_size:
+                q, g = p + SHARED_EXPERT, m.shared_expert_ffn_hidden_size
+                shapes.update({q + "gate_proj.weight": (g, h), q + "up_proj.weight": (g, h), q + "down_proj.weight": (h, g)})
+            if m.shared_expert_gate:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         elif _fused(model):
             shapes.update({p + "mlp.gate_up_proj.weight": (2 * ffn, h), p + "mlp.down_proj.weight": (h, ffn)})
         else:
@@ -404,6 +427,15 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
     if rest == "mlp.router.weight":
         assert c.moe is not None   # only MoE layers have a router
         return [(p + MOE_NAMES[_moe_family(model)][0], 0, c.moe.num_experts)], 0
+    if rest.startswith("mlp.shared_expert"):   # Qwen2-MoE: a SwiGLU MLP (gate then up, down) and its [1, h] gate
+        assert c.moe is not None and c.moe.shared_expert_ffn_hidden_size   # only such layers have these
+        g, q = c.moe.shared_expert_ffn_hidden_size, p + SHARED_EXPERT
+        if rest == "mlp.shared_experts.fc1.weight":
+            return [(q + "gate_proj.weight", 0, g), (q + "up_proj.weight", 0, g)], 0
+        if rest == "mlp.shared_experts.fc2.weight":
+            return [(q + "down_proj.weight", 0, g)], 1
+        if rest == "mlp.shared_expert_gate.weight":
+            return [(p + "mlp.shared_expert_gate.weight", 0, 1)], 0
     raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
 
 

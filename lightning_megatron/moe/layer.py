@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..tensor_parallel.layers import InitMethod
+from ..tensor_parallel.layers import InitMethod, init_method_normal, init_sharded_
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, group_rank, group_size
@@ -62,6 +62,7 @@ class MoEConfig:
     dispatcher: str = "alltoall"               # "alltoall" | "allgather"
     activation: str = "swiglu"                 # "swiglu" | "gelu"
     shared_expert_ffn_hidden_size: Optional[int] = None
+    shared_expert_gate: bool = False           # shared output times sigmoid(x·w), w: hidden -> 1 (Qwen2-MoE)
     sequence_parallel: bool = False
     score_function: str = "softmax"
     pre_softmax: bool = False
@@ -69,6 +70,7 @@ class MoEConfig:
     group_topk: Optional[int] = None
     scaling_factor: Optional[float] = None
     aux_loss_coeff: float = 0.0
+    aux_loss_type: str = "per_layer"           # what aux_loss_coeff weighs: "per_layer" | "hf_pooled" (router.py)
     seq_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     enable_expert_bias: bool = False
@@ -87,6 +89,8 @@ class MoEConfig:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ValueError("shared_expert_gate=True gates the shared experts: set shared_expert_ffn_hidden_size.")
         if self.num_spare_experts_per_ep_rank < 0:
             raise ValueError("num_spare_experts_per_ep_rank must be >= 0 (0 turns ECHO offloading off), "
                              f"got {self.num_spare_experts_per_ep_rank}.")
@@ -97,7 +101,7 @@ class MoEConfig:
 
     def router_kwargs(self) -> Dict[str, Any]:
         names = ("score_function", "pre_softmax", "num_groups", "group_topk", "scaling_factor", "aux_loss_coeff",
-                 "seq_aux_loss_coeff", "z_loss_coeff", "enable_expert_bias", "expert_bias_update_rate",
+                 "seq_aux_loss_coeff", "z_loss_coeff", "aux_loss_type", "enable_expert_bias", "expert_bias_update_rate",
                  "capacity_factor", "drop_policy", "pad_to_capacity")
         return {name: getattr(self, name) for name in names}
 
@@ -160,6 +164,14 @@ class MoELayer(nn.Module):
                 group=groups.tp if groups else None)   # None: follow the active state (keeps it copyable)
         else:
             self.shared_experts = None
+        self.shared_expert_gate: Optional[nn.Linear] = None
+        if config.shared_expert_gate:
+            # replicated like the router (drawn as at TP=1); per token, so under sequence parallelism each tp rank's
+            # gradient covers its own tokens only and is summed over tp with the other sequence-parallel weights
+            gate = nn.Linear(config.hidden_size, 1, bias=False, device=device, dtype=params_dtype)
+            init_sharded_(gate.weight, (1, config.hidden_size), 0, init_method or init_method_normal(), 0, 1)
+            gate.weight.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+            self.shared_expert_gate = gate
         ep_size, ep_rank = group_size(g.ep), group_rank(g.ep)
         num_home = divide(config.num_experts, ep_size, "num_experts", by="expert-parallel size (ep)")
         # ECHO needs another EP rank to offload to; at ep=1 it would only add empty slots.
@@ -185,8 +197,14 @@ class MoELayer(nn.Module):
 
     # -- the phases ------------------------------------------------------------------------------
     def shared_experts_compute(self, x: Tensor) -> Optional[Tensor]:
-        """The shared experts on the layer's input (dense layout), or None without them."""
-        return self.shared_experts(x) if self.shared_experts is not None else None
+        """The shared experts on the layer's input (dense layout), or None without them; with
+        ``shared_expert_gate``, times ``sigmoid(x·w)`` per token (Qwen2-MoE)."""
+        if self.shared_experts is None:
+            return None
+        out = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            out = out * torch.sigmoid(self.shared_expert_gate(x))
+        return out
 
     def route(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         """``(probs [T, E], routing_map [T, E])`` for this rank's tokens."""
@@ -298,7 +316,8 @@ class MoELayer(nn.Module):
 
     def head_modules(self) -> List[nn.Module]:
         """The submodules whose parameters :meth:`forward_head` uses."""
-        return [self.router] + ([self.shared_experts] if self.shared_experts is not None else [])
+        shared: List[nn.Module] = [m for m in (self.shared_experts, self.shared_expert_gate) if m is not None]
+        return [self.router, *shared]
 
     # -- the tp split of a replicated input ------------------------------------------------------
     def split_tokens(self, x: Tensor) -> Tensor:

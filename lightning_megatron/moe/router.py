@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..tensor_parallel.layers import InitMethod, init_method_normal, init_sharded_
 from .aux_loss import (AttachAuxLoss, group_size, sequence_load_balancing_loss, sum_over, switch_load_balancing_loss,
                        z_loss)
+from .pooled_aux_loss import AUX_LOSS_TYPES, AttachPooledLoss, PooledBalancingLoss, bind_pooled_loss, in_backward
 from .routing import (
     DROP_POLICIES, SCORE_FUNCTIONS, apply_capacity, check_group_limits, expert_capacity, scores_for_aux_loss,
     topk_routing,
@@ -33,6 +34,11 @@ class TopKRouter(nn.Module):
     ``probs`` so their gradients flow in backward (see ``aux_loss``), and their values of the last
     forward are in ``self.aux_losses`` (this rank's partial sums over the tp-cp ``loss_group``).
 
+    ``aux_loss_type`` chooses what ``aux_loss_coeff`` weighs: ``"per_layer"`` (default, Megatron-Core's: each
+    layer's own Switch loss ``coeff·E/k·Σ_e f_e·P_e``, summed over layers) or ``"hf_pooled"`` (transformers'
+    ``load_balancing_loss_func``: one ``coeff·E·Σ_e f_e·P_e`` over all layers' tokens pooled, what a model imported
+    from a Hugging Face config with ``output_router_logits=True`` trains with; see ``pooled_aux_loss``).
+
     Aux-loss-free balancing (``enable_expert_bias``): a per-expert bias shifts the top-k
     selection only; token counts accumulate in training forwards and :meth:`update_expert_bias`
     (call it after the optimizer step) moves each bias by ``±rate`` toward the mean load.
@@ -49,7 +55,8 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score_function: str = "softmax",
                  pre_softmax: bool = False, num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                  scaling_factor: Optional[float] = None, aux_loss_coeff: float = 0.0,
-                 seq_aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, enable_expert_bias: bool = False,
+                 seq_aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, aux_loss_type: str = "per_layer",
+                 enable_expert_bias: bool = False,
                  expert_bias_update_rate: float = 1e-3, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", pad_to_capacity: bool = False,
                  init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
@@ -69,6 +76,11 @@ class TopKRouter(nn.Module):
                             ("z_loss_coeff", z_loss_coeff)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}.")
+        if aux_loss_type not in AUX_LOSS_TYPES:
+            raise ValueError(f"aux_loss_type must be one of {AUX_LOSS_TYPES}, got {aux_loss_type!r}.")
+        if aux_loss_type == "hf_pooled" and score_function != "softmax":
+            raise ValueError("aux_loss_type='hf_pooled' (transformers' loss, on a softmax over every expert) needs "
+                             f"score_function='softmax', got {score_function!r}.")
         if drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}.")
         if pad_to_capacity and capacity_factor is None:
@@ -79,7 +91,8 @@ class TopKRouter(nn.Module):
         self.score_function, self.pre_softmax = score_function, pre_softmax
         self.num_groups, self.group_topk, self.scaling_factor = num_groups, group_topk, scaling_factor
         self.aux_loss_coeff, self.seq_aux_loss_coeff = aux_loss_coeff, seq_aux_loss_coeff
-        self.z_loss_coeff = z_loss_coeff
+        self.z_loss_coeff, self.aux_loss_type = z_loss_coeff, aux_loss_type
+        self.pooled_loss: Optional[PooledBalancingLoss] = None   # hf_pooled: set_aux_loss_scale binds it per step
         self.capacity_factor, self.drop_policy, self.pad_to_capacity = capacity_factor, drop_policy, pad_to_capacity
         self.expert_bias_update_rate = expert_bias_update_rate
         self.aux_loss_scale = 1.0
@@ -132,7 +145,32 @@ class TopKRouter(nn.Module):
             probs, routing_map = apply_capacity(probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity)
         if aux is not None and aux.requires_grad:
             probs = AttachAuxLoss.apply(probs, aux, self._aux_gradient_scale(tokens.shape[0]))
+        if self.aux_loss_type == "hf_pooled" and self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            probs = self._attach_pooled_loss(logits, routing_map, probs, tokens.shape[0])
         return probs, routing_map
+
+    def _attach_pooled_loss(self, logits: Tensor, routing_map: Tensor, probs: Tensor, local_tokens: int) -> Tensor:
+        """Record this layer's statistics in the model's ledger; attach the pooled loss's gradient (``pooled_aux_loss``)."""
+        ledger = self.pooled_loss
+        if ledger is None:
+            raise RuntimeError("aux_loss_type='hf_pooled' pools over every MoE layer of the model: call "
+                               "set_aux_loss_scale(model, scale) before each training step (the strategy's engine "
+                               "does) so that its routers share one ledger.")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("aux_loss_type='hf_pooled' runs eagerly only (its ledger is Python): drop cuda_graph.")
+        scores = torch.softmax(logits.float(), dim=-1)
+        if in_backward():   # a checkpointed layer recomputing its forward: recorded the first time
+            return cast(Tensor, AttachPooledLoss.apply(probs, scores, None, -1, 0.0, 0.0))
+        group = self.loss_group
+        stats = torch.cat([routing_map.sum(dim=0).float(), scores.detach().sum(dim=0),
+                           scores.new_full((1,), float(local_tokens))])
+        mb = ledger.record(self, sum_over(stats, group))
+        value = torch.zeros((), device=logits.device)
+        if self is ledger.routers[-1] and ledger.is_last_stage:   # the whole loss, reported once (see the module)
+            value = ledger.loss(mb, self.aux_loss_coeff, self.num_experts, logits.device) / group_size(group)
+        self.aux_losses = dict(self.aux_losses, load_balancing_loss=value)
+        return cast(Tensor, AttachPooledLoss.apply(probs, scores, ledger, mb, self.aux_loss_coeff,
+                                                   self._aux_gradient_scale(local_tokens)))
 
     def _aux_gradient_scale(self, local_tokens: int) -> float:
         """``aux_loss_scale``, times the micro-batch's token count (all ranks of the tp-cp group) with
@@ -145,9 +183,9 @@ class TopKRouter(nn.Module):
     def _aux_loss(self, x: Tensor, logits: Tensor, routing_map: Tensor) -> Optional[Tensor]:
         losses: Dict[str, Tensor] = {}
         group = self.loss_group
-        if self.aux_loss_coeff > 0 or self.seq_aux_loss_coeff > 0:
+        if (self.aux_loss_coeff > 0 and self.aux_loss_type == "per_layer") or self.seq_aux_loss_coeff > 0:
             scores = scores_for_aux_loss(logits, self.score_function)
-            if self.aux_loss_coeff > 0:
+            if self.aux_loss_coeff > 0 and self.aux_loss_type == "per_layer":
                 losses["load_balancing_loss"] = switch_load_balancing_loss(
                     scores, routing_map, self.topk, self.aux_loss_coeff, group)
             if self.seq_aux_loss_coeff > 0:
@@ -210,10 +248,13 @@ def set_aux_loss_scale(module: Union[nn.Module, Iterable[TopKRouter]], scale: fl
     Call it with the factor the main loss is multiplied by (e.g. ``1 / num_microbatches``).
     ``per_token``: the main loss is a per-token sum whose gradients are later divided by the global
     token count; each balancing loss is then also multiplied by its micro-batch's token count.
+    Routers with ``aux_loss_type="hf_pooled"`` get a fresh shared ledger for the step (``pooled_aux_loss``).
     """
-    for router in (_routers(module) if isinstance(module, nn.Module) else module):
+    routers = _routers(module) if isinstance(module, nn.Module) else list(module)
+    for router in routers:
         router.aux_loss_scale = float(scale)
         router.aux_loss_per_token = bool(per_token)
+    bind_pooled_loss(routers)
 
 
 def collect_aux_losses(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Tensor]:

@@ -322,22 +322,18 @@ def test_one_training_step_equals_transformers(families, kind, tmp_path):
     assert moved == len(pairs)   # every tensor took a step (lr 1: a gradient left out would show)
 
 
-def test_mixtral_balancing_loss_difference_is_said():
-    """transformers pools its load-balancing loss over all layers; the import's per-layer loss differs, and says so."""
+def test_moe_imports_choose_transformers_balancing_loss():
+    """output_router_logits=true: transformers' loss pooled over layers at router_aux_loss_coef; false: none (as
+    transformers adds none); a MoEConfig passed explicitly wins."""
     from lightning_megatron.moe import MoEConfig
 
     hf = dict(model_type="mixtral", num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
-    with pytest.warns(UserWarning, match="per-layer balancing loss.*differs from transformers' own"):
-        assert config_from_hf(hf).moe.aux_loss_coeff == 0.02
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        config_from_hf(dict(hf, output_router_logits=False))          # no balancing loss asked: nothing to say
-        chosen = MoEConfig(hidden_size=64, ffn_hidden_size=96, num_experts=4, topk=2, aux_loss_coeff=0.01)
-        assert config_from_hf(hf, moe=chosen).moe.aux_loss_coeff == 0.01   # chosen explicitly
-
+    moe = config_from_hf(hf).moe
+    assert (moe.aux_loss_coeff, moe.aux_loss_type) == (0.02, "hf_pooled")
+    assert config_from_hf(dict(hf, output_router_logits=False)).moe.aux_loss_coeff == 0.0
+    chosen = MoEConfig(hidden_size=64, ffn_hidden_size=96, num_experts=4, topk=2, aux_loss_coeff=0.01)
+    assert config_from_hf(hf, moe=chosen).moe.aux_loss_type == "per_layer"
 
 
 def _phi3_grouped(path, ids, ref_logits, export_to):
