@@ -21,6 +21,10 @@ A watcher that saw another rank fail gives its own rank ``exit_after_s`` to end 
 too, or a launcher may be ending it), then exits with status 1 (a rank blocked in a collective's wait ignores
 the SIGTERM of torchrun, which would SIGKILL it only 30 s later). No host sync is
 added to the step: the thread only polls the store.
+
+It also runs the hang detector (``distributed/hang.py``, on every backend): a run stuck for
+``LIGHTNING_MEGATRON_HANG_TIMEOUT_S`` ends the same way, every rank printing one message that names the rank(s) that
+differ and where each rank is.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .hang import HangWatch
+
 __all__ = ["FailureWatch", "FAILURE_KEY"]
 
 FAILURE_KEY = "lightning_megatron/failed_rank"
@@ -45,10 +51,11 @@ class FailureWatch:
     """See the module docstring; ``start`` after ``init_process_group``, ``stop`` at teardown."""
 
     def __init__(self, poll_s: float = 0.5, exit_after_s: Optional[float] = None,
-                 backends: Tuple[str, ...] = ("nccl",)) -> None:
+                 backends: Tuple[str, ...] = ("nccl",), hang_timeout_s: Optional[float] = None) -> None:
         self.poll_s, self.backends = poll_s, backends
         self.exit_after_s = exit_after_s if exit_after_s is not None else float(
             os.environ.get("LIGHTNING_MEGATRON_EXIT_AFTER_FAILURE_S", 8.0))
+        self.hang = HangWatch(hang_timeout_s, on_hang=self._hang_found)   # None: LIGHTNING_MEGATRON_HANG_TIMEOUT_S
         self._store: Optional[dist.Store] = None
         self._stop = threading.Event()
         self._failed_here = threading.Event()
@@ -63,6 +70,7 @@ class FailureWatch:
     def start(self) -> "FailureWatch":
         """Watch this run (again, for a later fit/validate of the same strategy)."""
         self.stop()
+        self.hang.start()
         if not self.wanted() or self.exit_after_s <= 0:
             return self
         self._store = _own_store_client()
@@ -77,10 +85,13 @@ class FailureWatch:
     def stop(self) -> None:
         """The run ended: stop watching (a failed rank's own last-resort exit stays armed)."""
         self._stop.set()
+        self.hang.stop()
 
     def report(self, exception: BaseException) -> None:
         """This rank failed: tell the others, abort its NCCL communicators, arm the last-resort exit."""
-        if self._store is None or self._failed_here.is_set():
+        if self._failed_here.is_set() or self.hang.fired.is_set():   # after a hang: its own message said it all
+            return
+        if self._store is None:
             return
         self._failed_here.set()
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
@@ -106,6 +117,17 @@ class FailureWatch:
                   f"process-group timeout).", file=sys.stderr, flush=True)
             _exit_later(self.exit_after_s, lambda: None, stop)
             return
+
+    def _hang_found(self, message: str) -> None:
+        """The hang detector's verdict reached this rank: say it, abort the NCCL communicators (the blocked
+        collective raises), exit with status 1 after ``exit_after_s`` whatever this rank is blocked in (a gloo
+        collective or a stall in Python cannot be interrupted otherwise; 0: no forced exit)."""
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        print(f"{message}\nrank {rank} stops (exit status 1) rather than wait for the process-group timeout.",
+              file=sys.stderr, flush=True)
+        _abort_nccl()
+        if self.exit_after_s > 0:
+            _exit_later(self.exit_after_s, lambda: None, threading.Event())
 
 
 def _own_store_client() -> Optional[dist.Store]:

@@ -34,6 +34,7 @@ from ..context_parallel import sequence_keys, split_for_context_parallel
 from .microbatches import batch_size_of, split_into_microbatches
 from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
+from ..parallel.heartbeat import HEARTBEAT
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
@@ -200,13 +201,18 @@ class StepEngine:
         the capture, its tensors then being the graph's outputs); tensors, dicts and lists, handed to every
         rank as ``StepResult.extras`` (under pipeline parallelism through the host: one sync, only when it
         returns something)."""
+        HEARTBEAT.begin("evaluation batch" if forward_only else "training batch")   # for the hang detector
         if self.full_graph is not None and not forward_only:
             core = self.full_graph(batch, _CaptureOnly(last_stage, step_context, no_sync, extras),
                                    aux_loss_scale=aux_loss_scale)
         else:
             core = self._schedule(batch, last_stage, forward_only, step_context, no_sync, aux_loss_scale,
                                   extras=extras)
-        return self._result(core, forward_only)
+        HEARTBEAT.at("the step's loss and logs to every rank", waiting=True)
+        result = self._result(core, forward_only)
+        if forward_only:   # a training step goes on in TrainStep (gradients), which ends it
+            HEARTBEAT.end()
+        return result
 
     def _graphed_step(self, batch: Any, callables: _CaptureOnly, aux_loss_scale: float) -> Dict[str, Any]:
         """What a full-step graph holds: every micro-batch's forward and backward on this rank (the

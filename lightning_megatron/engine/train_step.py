@@ -28,6 +28,7 @@ from torch import nn
 
 from ..distributed.gradients import GradientState
 from ..moe import update_expert_biases
+from ..parallel.heartbeat import HEARTBEAT
 from .step import LastStage, StepEngine, StepResult
 
 
@@ -62,22 +63,29 @@ class TrainStep:
             result = self.engine.run(batch, last_stage, step_context=step_context, no_sync=gradients.schedule_no_sync,
                                      aux_loss_scale=aux_loss_scale, extras=extras)
         if window_end:
+            HEARTBEAT.at("finalize gradients (data-parallel reduce, tied embeddings)", waiting=True)
             gradients.finalize(self.modules)
             if result.grad_scale is not None:   # per-token losses: divided by the global token count
                 gradients.scale(result.grad_scale)
         gradients.expose()
+        HEARTBEAT.end()   # the driver's loop goes on: clipping, its optimizer step, callbacks, logging
         return result
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (the optimizer's) so the whole parallel model's norm is at most
         ``max_norm``; returns the norm before clipping, the same on every rank."""
-        return self.gradients.clip_by_norm(params, max_norm)
+        HEARTBEAT.at("clipping: the gradient norm's all-reduce", waiting=True)
+        norm = self.gradients.clip_by_norm(params, max_norm)
+        HEARTBEAT.at(None)
+        return norm
 
     def after_optimizer_step(self) -> None:
         """Every post-optimizer obligation, in order: parameters whole again, expert biases moved, the
         caller's hooks."""
+        HEARTBEAT.at("after the optimizer step (parameter gather, expert biases, hooks)", waiting=True)
         for hook in self.post_optimizer_hooks:
             hook()
+        HEARTBEAT.at(None)
 
     def step(self, batch: Any, last_stage: LastStage, optimizer: torch.optim.Optimizer, *,
              max_norm: Optional[float] = None) -> StepResult:

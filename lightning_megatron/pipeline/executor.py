@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import ParallelState, get_parallel_state, has_parallel_state
+from ..parallel.heartbeat import HEARTBEAT
 from .comm_plan import ChunkMicrobatch, comm_plan
 from .p2p import PipelineP2P, prepare_group_for_batched_p2p
 from .schedules import ScheduleStep
@@ -130,16 +131,23 @@ def forward_backward(forward_step_fn: ForwardStepFn,
         if no_sync is not None and not forward_only:
             deferred.enter_context(no_sync())
         done = 0
+        beat, many_chunks = HEARTBEAT, len(chunks) > 1   # where this rank is, for the hang detector
         for rnd in plan:
             sent = None
             if rnd.step is not None:
                 if done == sync_from:
                     deferred.close()
-                with running_chunk(rnd.step.chunk):
+                chunk_id = rnd.step.chunk
+                beat.at("forward" if rnd.step.is_forward else "backward", rnd.step.microbatch,
+                        chunk_id if many_chunks else None, chunk_id * pp_size + pp_rank if pp_size > 1 else None)
+                with running_chunk(chunk_id):
                     sent = run.step(rnd.step)
                 done += 1
             if rnd.communicates:
                 assert comm is not None, "comm_plan asked a single stage to communicate"
+                beat.at(_exchange_name(rnd.send_next and sent is not None, rnd.send_prev and sent is not None,
+                                       rnd.recv_prev is not None, rnd.recv_next is not None),
+                        beat.microbatch, beat.chunk, beat.stage, waiting=True)
                 from_prev, from_next = comm.communicate(
                     send_next=sent if rnd.send_next else None,
                     send_prev=sent if rnd.send_prev else None,
@@ -154,6 +162,22 @@ def forward_backward(forward_step_fn: ForwardStepFn,
     if finalize_grads is not None and not forward_only:
         finalize_grads()
     return run.output
+
+
+def _exchange_words(send_next: bool, send_prev: bool, recv_prev: bool, recv_next: bool) -> str:
+    words = [w for w, on in (("send to next stage", send_next), ("send to previous stage", send_prev),
+                             ("receive from previous stage", recv_prev), ("receive from next stage", recv_next)) if on]
+    return " + ".join(words) or "exchange"
+
+
+# every combination named once, so the schedule's loop only looks one up
+_EXCHANGES = {(a, b, c, d): _exchange_words(a, b, c, d)
+              for a in (False, True) for b in (False, True) for c in (False, True) for d in (False, True)}
+
+
+def _exchange_name(send_next: bool, send_prev: bool, recv_prev: bool, recv_next: bool) -> str:
+    """What one round's exchange does, e.g. "send to next stage + receive from previous stage"."""
+    return _EXCHANGES[(bool(send_next), bool(send_prev), recv_prev, recv_next)]
 
 
 class _Run:
