@@ -45,6 +45,7 @@ from .hang import HangWatch
 __all__ = ["FailureWatch", "FAILURE_KEY"]
 
 FAILURE_KEY = "lightning_megatron/failed_rank"
+VERDICT_GRACE_S = 2.0   # after a hang detector's verdict (see FailureWatch._hang_found)
 
 
 class FailureWatch:
@@ -100,6 +101,7 @@ class FailureWatch:
             self._store.set(FAILURE_KEY, f"{time.time_ns()}|{message}")
         except Exception:   # the store's host may be gone already; the abort and exit below still hold
             pass
+        self.hang.stop()   # its record says the run ended here: the peers do not also call this rank gone
         _abort_nccl()
         _exit_later(self.exit_after_s, lambda: traceback.print_exception(exception), threading.Event())
 
@@ -120,14 +122,16 @@ class FailureWatch:
 
     def _hang_found(self, message: str) -> None:
         """The hang detector's verdict reached this rank: say it, abort the NCCL communicators (the blocked
-        collective raises), exit with status 1 after ``exit_after_s`` whatever this rank is blocked in (a gloo
-        collective or a stall in Python cannot be interrupted otherwise; 0: no forced exit)."""
+        collective raises), exit with status 1 after at most ``VERDICT_GRACE_S`` whatever this rank is blocked in (a
+        gloo collective or a stall in Python cannot be interrupted otherwise; ``exit_after_s`` 0: no forced exit).
+        The verdict already waited its detection time, so the grace is short: a dead peer's rank killed at TP2 under
+        torchrun took 20.6 s to end with the 8 s grace (2x H200), 10 s of it the detection."""
         rank = dist.get_rank() if dist.is_initialized() else "?"
         print(f"{message}\nrank {rank} stops (exit status 1) rather than wait for the process-group timeout.",
               file=sys.stderr, flush=True)
         _abort_nccl()
         if self.exit_after_s > 0:
-            _exit_later(self.exit_after_s, lambda: None, threading.Event())
+            _exit_later(min(self.exit_after_s, VERDICT_GRACE_S), lambda: None, threading.Event())
 
 
 def _own_store_client() -> Optional[dist.Store]:

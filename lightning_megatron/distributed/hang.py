@@ -11,6 +11,13 @@ a blocked collective raises, and exit with status 1 after its grace: a rank bloc
 stalled in Python, cannot be interrupted otherwise). Nothing is added to the step: no host sync, no tensor;
 the threads only poll the rendezvous store (own client connection), O(world) reads per judge per poll.
 
+A rank whose watcher stops publishing for ``dead_after_s`` (``LIGHTNING_MEGATRON_DEAD_RANK_S``, default 10; 0 turns
+it off) is gone (SIGKILL, the out-of-memory killer, a frozen host): its own failure report never came, and under
+torchrun its peers, blocked in a collective, ignore the SIGTERM that would end them (Lightning's handler waits for
+the main thread), so they would wait 30 s for the SIGKILL, or for the process-group timeout. The judges say so at
+once, with the same verdict path. The publisher is a thread of its own, so a busy or blocked main thread does not
+look dead.
+
 Not judged: the setup before every rank has started its first step (checkpoint loading, model construction), and
 nothing after a rank's watch stopped. Legitimately slow work that moves neither heartbeat nor Python location for
 longer than the timeout (one very long checkpoint save, a first-step compilation in one C call) needs a larger
@@ -31,12 +38,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch.distributed as dist
 
 from ..parallel.heartbeat import HEARTBEAT, Heartbeat, describe
-from .hang_report import hang_message, is_stuck
+from .hang_report import dead_rank_message, hang_message, is_stuck
 
-__all__ = ["HangWatch", "HANG_TIMEOUT_ENV", "DEFAULT_HANG_TIMEOUT_S", "HEARTBEAT_PREFIX"]
+__all__ = ["HangWatch", "HANG_TIMEOUT_ENV", "DEFAULT_HANG_TIMEOUT_S", "DEAD_RANK_ENV", "HEARTBEAT_PREFIX"]
 
 HANG_TIMEOUT_ENV = "LIGHTNING_MEGATRON_HANG_TIMEOUT_S"
 DEFAULT_HANG_TIMEOUT_S = 300.0
+DEAD_RANK_ENV = "LIGHTNING_MEGATRON_DEAD_RANK_S"
+DEFAULT_DEAD_RANK_S = 10.0
 HEARTBEAT_PREFIX = "lightning_megatron/heartbeat"
 
 
@@ -48,9 +57,12 @@ class HangWatch:
     """See the module docstring; ``start`` once the process groups exist, ``stop`` at teardown."""
 
     def __init__(self, timeout_s: Optional[float] = None, on_hang: Callable[[str], None] = _say,
-                 poll_s: Optional[float] = None, heartbeat: Heartbeat = HEARTBEAT) -> None:
+                 poll_s: Optional[float] = None, heartbeat: Heartbeat = HEARTBEAT,
+                 dead_after_s: Optional[float] = None) -> None:
         self.timeout_s = float(os.environ.get(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT_S)) if timeout_s is None \
             else float(timeout_s)
+        self.dead_after_s = float(os.environ.get(DEAD_RANK_ENV, DEFAULT_DEAD_RANK_S)) if dead_after_s is None \
+            else float(dead_after_s)
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(self.timeout_s / 4, 0.05))
         self.on_hang, self.heartbeat = on_hang, heartbeat
         self.fired = threading.Event()   # a verdict reached this rank
@@ -88,10 +100,10 @@ class HangWatch:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * self.poll_s + 1.0)
 
-    def _record(self, main: int, finished: bool = False) -> Dict[str, Any]:
+    def _record(self, main: int, published: int, finished: bool = False) -> Dict[str, Any]:
         beat = self.heartbeat
         python, in_collective = _python_location(main)
-        return {"ticks": beat.ticks, "seq": beat.seq, "finished": finished, "python": python,
+        return {"published": published, "ticks": beat.ticks, "seq": beat.seq, "finished": finished, "python": python,
                 "waiting": bool(beat.waiting or in_collective),
                 "where": describe(beat.kind, beat.index, beat.inside, beat.action, beat.microbatch, beat.chunk,
                                   beat.stage)}
@@ -103,11 +115,14 @@ class HangWatch:
         judge = rank in (0, world - 1)
         seen: Dict[int, Tuple[Any, ...]] = {}
         moved: Dict[int, float] = {}
+        heard: Dict[int, Tuple[int, float]] = {}   # rank -> (its last publication, when it changed)
+        published = 0
         try:
             while True:
-                store.set(keys[rank], json.dumps(self._record(main)))
+                published += 1
+                store.set(keys[rank], json.dumps(self._record(main, published)))
                 if stop.wait(self.poll_s):
-                    store.set(keys[rank], json.dumps(self._record(main, finished=True)))
+                    store.set(keys[rank], json.dumps(self._record(main, published + 1, finished=True)))
                     return
                 if store.check([verdict]):
                     self._fire(store.get(verdict))
@@ -116,6 +131,14 @@ class HangWatch:
                     continue
                 records = {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
                 now = time.monotonic()
+                for r, rec in records.items():
+                    if heard.get(r, (None,))[0] != rec["published"]:
+                        heard[r] = (rec["published"], now)
+                silent = sorted(r for r, rec in records.items() if not rec["finished"] and r != rank
+                                and now - heard[r][1] >= self.dead_after_s > 0)
+                if silent:
+                    self._fire(store.compare_set(verdict, "", dead_rank_message(silent, records, self.dead_after_s)))
+                    return
                 for r, rec in records.items():
                     signature = (rec["ticks"], rec["python"], rec["finished"])
                     if seen.get(r) != signature:

@@ -16,6 +16,9 @@ __all__ = ["is_stuck", "who_differs", "hang_message", "rank_list"]
 Record = Mapping[str, Any]
 
 
+DEAD_RANK_SETTING = "LIGHTNING_MEGATRON_DEAD_RANK_S"
+
+
 def is_stuck(records: Mapping[int, Record], quiet_s: Mapping[int, float], timeout_s: float) -> bool:
     """Every rank has started its first step, and no rank whose run goes on has moved (heartbeat or Python
     location) for ``timeout_s``: the setup before the first step (checkpoint loading, compilation of the model's
@@ -99,3 +102,13 @@ def hang_message(records: Mapping[int, Record], quiet_s: float, setting: str) ->
     body = "\n".join(f"  {rank_list(ranks)}: {line}" for line, ranks in groups.items())
     return (f"lightning_megatron: the run is stuck: no rank has made progress for {quiet_s:.0f} s ({setting}); "
             f"{head}:\n{body}")
+
+
+def dead_rank_message(silent: List[int], records: Mapping[int, Record], dead_after_s: float) -> str:
+    """The verdict for ranks whose watcher stopped publishing: their processes are gone (or frozen whole)."""
+    ranks = ", ".join(map(str, silent))
+    lines = [f"lightning_megatron: rank{'s' if len(silent) > 1 else ''} {ranks} stopped answering for "
+             f"{dead_after_s:g} s ({DEAD_RANK_SETTING}={dead_after_s:g}): the process ended without a word (killed, "
+             f"out of memory?) or froze; every rank ends."]
+    lines += [f"  rank {r}: last seen {records[r]['where']}" for r in silent]
+    return "\n".join(lines)

@@ -119,6 +119,33 @@ def test_a_second_run_in_one_process_is_watched_afresh_and_the_verdict_reaches_e
     assert run_on_ranks(_watch_started, 1, timeout=60) == [False]   # one process alone: no watch
 
 
+def _one_rank_goes_silent():
+    said = []
+    watch = HangWatch(timeout_s=60.0, on_hang=said.append, poll_s=0.1, dead_after_s=1.0).start()
+    HEARTBEAT.begin("training batch")
+    time.sleep(2.5)                        # both publish: a rank that answers is never called dead
+    heard_early = list(said)
+    dist.barrier()
+    if dist.get_rank() == 1:               # its publisher dies without a word, as under SIGKILL
+        def gone(*args, **kwargs):
+            raise OSError("killed")
+        watch._record = gone
+    deadline = time.time() + 10
+    while not said and time.time() < deadline:
+        time.sleep(0.1)
+    watch.stop()
+    dist.barrier()
+    return heard_early, said
+
+
+def test_a_rank_whose_watcher_stopped_answering_is_called_gone_on_every_other_rank():
+    (early0, said0), (early1, said1) = run_on_ranks(_one_rank_goes_silent, 2, timeout=60)
+    assert early0 == [] and early1 == []
+    assert len(said0) == 1 and "rank 1 stopped answering for 1 s" in said0[0], said0
+    assert "last seen training batch 0" in said0[0], said0
+    assert said1 == []                     # the silent rank's own watcher is gone
+
+
 def _watch_started():
     watch = HangWatch(timeout_s=1.0).start()
     return watch._thread is not None
