@@ -15,6 +15,7 @@ __version__ = "0.1.0.dev0"
 __getattr__, __dir__ = lazy_face(__name__, {
     "MegatronStrategy": ".adapter.strategy",
     "MegatronThroughputMonitor": ".adapter.callbacks",
+    "ShardedCheckpointIO": ".adapter.checkpoint_io",
     "ParallelLayout": ".parallel.topology",
     "RankGenerator": ".parallel.topology",
     "ParallelState": ".parallel.state",
@@ -23,6 +24,7 @@ __getattr__, __dir__ = lazy_face(__name__, {
 
 if TYPE_CHECKING:
     from .adapter.callbacks import MegatronThroughputMonitor
+    from .adapter.checkpoint_io import ShardedCheckpointIO
     from .adapter.strategy import MegatronStrategy
     from .parallel.state import ParallelState, get_parallel_state
     from .parallel.topology import ParallelLayout, RankGenerator
@@ -30,4 +32,4 @@ if TYPE_CHECKING:
 register_when_lightning_loads()
 
 __all__ = ["MegatronStrategy", "MegatronThroughputMonitor", "ParallelLayout", "ParallelState", "RankGenerator",
-           "get_parallel_state", "__version__"]
+           "ShardedCheckpointIO", "get_parallel_state", "__version__"]

@@ -261,6 +261,43 @@ MUTATIONS: List[Mutation] = [
              'pre_softmax=qwen and not hf.get("norm_topk_prob", False)', "pre_softmax=False",
              ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[qwen3_moe]",),
              ci=False),
+    # hf_pooled: transformers' balancing loss pools every layer's statistics, over tp/cp token splits and stages
+    Mutation("hf-pooled-per-layer", "lightning_megatron/moe/pooled_aux_loss.py",
+             "batch.local = stats if batch.local is None else batch.local + stats", "batch.local = stats",
+             (f"{STRATEGY}/test_hf_moe_balancing.py::test_one_step_equals_transformers[mixtral-1]",), ci=False),
+    Mutation("hf-pooled-no-tp-cp-sum", "lightning_megatron/moe/router.py",
+             "mb = ledger.record(self, sum_over(stats, group))", "mb = ledger.record(self, stats)",
+             (f"{STRATEGY}/test_hf_moe_balancing.py::test_one_step_equals_transformers[mixtral-tp2sp]",), ci=False),
+    Mutation("hf-pooled-stage-alone", "lightning_megatron/moe/pooled_aux_loss.py",
+             "            if self.pp_group is None:\n                batch.total", "            if True:\n                batch.total",
+             (f"{STRATEGY}/test_hf_moe_balancing.py::test_one_step_equals_transformers[mixtral-pp2]",), ci=False),
+    # Qwen2-MoE's shared expert is gated by a sigmoid, per token (its gradient summed over tp under sequence parallelism)
+    Mutation("shared-gate-without-sigmoid", "lightning_megatron/moe/layer.py",
+             "out * torch.sigmoid(self.shared_expert_gate(x))", "out * self.shared_expert_gate(x)",
+             ("tests/unit/models/test_hf_qwen2_moe.py::test_import_gives_transformers_logits_and_export_loads",), ci=False),
+    Mutation("shared-gate-no-sequence-parallel-grad", "lightning_megatron/moe/layer.py",
+             "gate.weight.sequence_parallel = self.sequence_parallel", "gate.weight.sequence_parallel = False",
+             (f"{STRATEGY}/test_hf_moe_balancing.py::test_one_step_equals_transformers[qwen2_moe-tp2sp]",), ci=False),
+    # the hang detector: progress is what it judges, and it names the rank(s) outside the majority's place
+    Mutation("hang-watch-blind-to-progress", "lightning_megatron/distributed/hang.py",
+             'signature = (rec["ticks"], rec["python"], rec["finished"])', 'signature = (rec["finished"],)',
+             ("tests/unit/distributed/test_hang_watch.py::test_a_healthy_run_with_a_short_timeout_is_left_alone",),
+             ci=False),
+    Mutation("hang-report-names-everyone", "lightning_megatron/distributed/hang_report.py",
+             "        return outside", "        return running",
+             ("tests/unit/distributed/test_hang_watch.py::test_who_differs",), ci=False),
+    Mutation("dead-rank-never-called-gone", "lightning_megatron/distributed/hang.py",
+             "and now - heard[r][1] >= self.dead_after_s > 0", "and False",
+             ("tests/unit/distributed/test_hang_watch.py::test_a_rank_whose_watcher_stopped_answering_is_called_gone_on_every_other_rank",),
+             ci=False),
+    # checkpoints: background saves write a snapshot; checksums are checked
+    Mutation("background-save-without-snapshot", "lightning_megatron/checkpoint/stage.py",
+             "        staged.append(Entry(entry.key, entry.placement, [target]))", "        staged.append(entry)",
+             (f"{STRATEGY}/test_background_save.py::test_background_saves_resume_like_synchronous_ones_bit_for_bit",),
+             ci=False),
+    Mutation("checksum-not-compared", "lightning_megatron/checkpoint/checksums.py",
+             "if length != sinfo.length or actual != expected:", "if length != sinfo.length:",
+             ("tests/unit/checkpoint/test_checkpoint_checksums.py",), ci=False),
 ]
 
 

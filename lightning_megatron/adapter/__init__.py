@@ -14,11 +14,13 @@ __getattr__, __dir__ = lazy_face(__name__, {
     "MegatronStrategy": ".strategy",
     "MegatronThroughputMonitor": ".callbacks",
     "parallel_precision": ".precision",
+    "ShardedCheckpointIO": ".checkpoint_io",
 })
 
 if TYPE_CHECKING:
     from .callbacks import MegatronThroughputMonitor
+    from .checkpoint_io import ShardedCheckpointIO
     from .precision import parallel_precision
     from .strategy import MegatronStrategy
 
-__all__ = ["MegatronStrategy", "MegatronThroughputMonitor", "parallel_precision"]
+__all__ = ["MegatronStrategy", "MegatronThroughputMonitor", "ShardedCheckpointIO", "parallel_precision"]

@@ -3,6 +3,9 @@
 Sharded (torch.distributed.checkpoint, reshardable across TP/PP/VPP/DP/EP) with or without the distributed
 optimizer: each optimizer is read and written as the plain optimizer over the whole model. Lightning's
 own model and optimizer state dicts are left empty: ``save_checkpoint`` writes every shard itself.
+With Lightning's ``AsyncCheckpointIO`` plugin, saves during fit are written in the background
+(``checkpoint/background.py``): the next save, the end of fit and teardown wait for the write and raise its
+error; an older checkpoint that ``ModelCheckpoint`` drops is deleted only once the newer one committed.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.trainer_state import (load_trainer_checkpoint, loaded_in_place, remove_checkpoint_path,
                                         save_trainer_checkpoint)
 from ..distributed import FullOptimizerView
 from ..distributed.gradients import GradientState, checkpoint_views
 from ..parallel import ParallelState
 from ..tensor_parallel.random import get_rng_tracker
+from .checkpoint_io import save_options
 
 
 class ShardedCheckpointHooks(ParallelStrategy):
@@ -27,6 +32,8 @@ class ShardedCheckpointHooks(ParallelStrategy):
 
     gradients: Optional[GradientState]
     _final_optimizer_states: Dict[int, FullOptimizerView]
+    _background: Optional[BackgroundSaver] = None   # the writer of background saves (made at the first one)
+    _fitting = False    # between on_train_start and on_train_end: saves may go on in the background
 
     if TYPE_CHECKING:   # what the strategy provides
         def _state(self) -> ParallelState: ...
@@ -34,9 +41,17 @@ class ShardedCheckpointHooks(ParallelStrategy):
         def finish_param_sync(self) -> None: ...
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._fitting = True
+
+    @override
     def on_train_end(self) -> None:
-        """The process groups go with ``teardown``: keep the whole optimizer state (host memory) for a
-        ``trainer.save_checkpoint`` after ``fit``."""
+        """The last background save is finished (its error raised). The process groups go with ``teardown``: keep the
+        whole optimizer state (host memory) for a ``trainer.save_checkpoint`` after ``fit``."""
+        self._fitting = False
+        if self._background is not None:
+            self._background.wait()
         self.finish_param_sync()
         if self.gradients is not None:
             self._final_optimizer_states = self.gradients.gather_optimizer_states()
@@ -72,8 +87,12 @@ class ShardedCheckpointHooks(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A sharded folder written by every rank; it resumes at any layout."""
+        background, checksums = save_options(self.checkpoint_io)
+        if background and self._fitting and self._background is None:
+            self._background = BackgroundSaver()
         save_trainer_checkpoint(self.broadcast(str(filepath)), checkpoint, [self.lightning_module],
-                                self._checkpoint_optimizers(saving=True), get_rng_tracker(self._state()))
+                                self._checkpoint_optimizers(saving=True), get_rng_tracker(self._state()),
+                                checksums=checksums, background=self._background if self._fitting else None)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -95,4 +114,18 @@ class ShardedCheckpointHooks(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            remove_checkpoint_path(filepath)
+            if self._background is not None:   # once the save in flight is whole
+                self._background.after_save(lambda: remove_checkpoint_path(filepath))
+            else:
+                remove_checkpoint_path(filepath)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a background save still in flight (raising its error), then Lightning's teardown."""
+        self._fitting = False
+        background, self._background = self._background, None
+        try:
+            if background is not None:
+                background.close()
+        finally:
+            super().teardown()

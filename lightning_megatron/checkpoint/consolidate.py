@@ -14,11 +14,11 @@ import warnings
 from typing import Dict, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..parallel import get_parallel_state, has_parallel_state
 from . import folder
+from .checksums import load_checked
 from .entries import Entry, Modules, check_entries, model_entries, unexpected_keys
 from .errors import CheckpointMismatchError, IncompleteCheckpointError
 from .keys import MODEL, model_key
@@ -40,7 +40,7 @@ def read_full_state_dict(path: Union[str, os.PathLike], prefix: str = "") -> Dic
         raise CheckpointMismatchError(f"{path} holds no model tensors under {root!r}; check prefix={prefix!r}.")
     with warnings.catch_warnings():   # no_dist is the intent here, DCP need not say so
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(entries, []), no_dist=True)
+        load_checked(path, PieceLoadPlanner(entries, []), no_dist=True)
     return {entry.key[len(root):]: entry.local for entry in entries}
 
 

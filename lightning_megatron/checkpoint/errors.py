@@ -15,6 +15,10 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint does not fit the model or optimizer it is loaded into (keys or shapes)."""
 
 
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Bytes of a shard file differ from the checksum written at save: the file was damaged on disk or in a copy."""
+
+
 def summarize_failures(err: BaseException) -> str:
     """``rank 1: OSError: disk full`` for each failed rank of a DCP ``CheckpointException``."""
     failures = getattr(err, "failures", None)

@@ -10,10 +10,10 @@ import warnings
 from typing import Any, Dict, List, Optional, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..parallel import get_parallel_state, has_parallel_state
 from . import folder
+from .checksums import load_checked
 from .collective import rank as current_rank
 from .collective import world_size
 from .keys import FORMAT, INFO, rank_state_key
@@ -39,7 +39,7 @@ def read_objects(path: str, keys: List[str]) -> Dict[str, Any]:
     planner = PieceLoadPlanner([], keys)
     with warnings.catch_warnings():   # no_dist is the intent here, DCP need not say so
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+        load_checked(path, planner, no_dist=True)
     return planner.blobs
 
 

@@ -29,6 +29,16 @@ from .entries import Entry
 _Slot = Tuple[Entry, int]   # (entry, piece index)
 
 
+class Pickled(bytes):
+    """An object already ``torch.save``d (a background save snapshots its objects before training goes on)."""
+
+    @classmethod
+    def of(cls, obj: Any) -> "Pickled":
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return cls(buffer.getbuffer())
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """Writes every piece of ``entries`` and every object of ``blobs`` (pickled)."""
 
@@ -59,9 +69,8 @@ class PieceSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
-            buffer = io.BytesIO()
-            torch.save(self.blobs[key], buffer)
-            return buffer
+            blob = self.blobs[key]
+            return io.BytesIO(blob if isinstance(blob, Pickled) else Pickled.of(blob))
         offset = write_item.index.offset
         assert offset is not None  # a SHARD item: create_local_plan gave it its offsets
         entry, i = self._slots[(key, tuple(offset))]

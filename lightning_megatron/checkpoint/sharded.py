@@ -4,20 +4,24 @@ Collective: call on every rank with the same path. Every tensor is stored under 
 name, with its global shape and the offsets of the pieces ranks hold, so a checkpoint saved at
 one layout (TP, PP, VPP, DP, EP sizes) loads at any other. Problems found before the collective
 read (missing keys, shape mismatches, incomplete folders) are agreed on by all ranks first, so
-every rank raises the same error instead of some ranks hanging.
+every rank raises the same error instead of some ranks hanging. Every stored item carries a crc32
+(``checksums.py``): a shard damaged on disk raises ``CorruptCheckpointError`` instead of loading.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import folder
+from .checksums import ChecksumWriter, load_checked
 from .collective import agree, rank
 from .entries import Entry, Modules, as_list, check_entries, model_entries, unexpected_keys
 from .errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError, summarize_failures
@@ -30,17 +34,53 @@ Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 
 def save_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
-                 extra_state: Any = None, *, rank_state: Any = None) -> None:
+                 extra_state: Any = None, *, rank_state: Any = None, checksums: bool = False) -> None:
     """Write a sharded checkpoint folder at ``path`` atomically (collective).
 
     ``model_modules``: this rank's module(s) (a LightningModule, a model, or its chunks);
     ``optimizers``: their optimizer(s), state saved shard-wise under global names;
     ``extra_state``: one picklable object the same on every rank (trainer loops, schedulers;
     rank 0's copy is stored); ``rank_state``: a picklable object per rank (RNG states), read back
-    with ``load_rank_state``. The folder appears at ``path`` only once every rank finished.
+    with ``load_rank_state``; ``checksums``: write a crc32 of every stored item, checked at load
+    (``checksums.py``). The folder appears at ``path`` only once every rank finished.
     """
+    prepare_save(path, model_modules, optimizers, extra_state, rank_state=rank_state, checksums=checksums).write()
+
+
+@dataclass
+class SaveJob:
+    """A save whose entries and objects are known and whose staging folder exists: what is left is the write."""
+
+    path: str
+    staging: str
+    entries: List[Entry]
+    blobs: Dict[str, Any]
+    checksums: bool = False
+
+    def write(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Write every rank's shards and make the folder visible (collective over the world, through ``group``
+        when given, e.g. from a background thread that must not share the training's group)."""
+        writer = ChecksumWriter(self.staging) if self.checksums else dcp.FileSystemWriter(self.staging)
+        try:
+            dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(self.entries, self.blobs),
+                     process_group=group)
+        except CheckpointException as err:   # a BaseException: turn it into an ordinary error
+            raise CheckpointError(f"saving {self.path} failed ({summarize_failures(err)}); nothing was committed: "
+                                  f"what was at {self.path} before is untouched and the partial write stays in "
+                                  f"{self.staging}.") from err
+        folder.commit(self.staging, self.path, group)
+
+
+def prepare_save(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
+                 extra_state: Any = None, *, rank_state: Any = None, checksums: bool = False,
+                 stage: Optional[Callable[[List[Entry], Dict[str, Any]], Tuple[List[Entry], Dict[str, Any]]]] = None,
+                 ) -> SaveJob:
+    """Collect what this rank writes (``stage``: turn it into a snapshot), agree on it and create the staging
+    folder (collective): a problem on any rank is raised on every rank before anything is written."""
     path = os.fspath(path)
-    error, entries, blobs = None, [], {}
+    error: Optional[Exception] = None
+    entries: List[Entry] = []
+    blobs: Dict[str, Any] = {}
     try:
         model = model_entries(model_modules)
         entries = list(model.by_name.values())
@@ -56,19 +96,15 @@ def save_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimize
                 blobs[EXTRA_STATE] = extra_state
         if rank_state is not None:
             blobs[rank_state_key(rank())] = rank_state
+        if stage is not None:
+            entries, blobs = stage(entries, blobs)
     except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = err
     paths = agree(error, path)
     if len(set(paths)) > 1:
         raise ValueError(f"save_sharded was called with different paths on different ranks: {sorted(set(paths))}; "
                          "pass the same path everywhere (broadcast it from rank 0).")
-    staging = folder.begin(path)
-    try:
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(staging), planner=PieceSavePlanner(entries, blobs))
-    except CheckpointException as err:   # a BaseException: turn it into an ordinary error
-        raise CheckpointError(f"saving {path} failed ({summarize_failures(err)}); nothing was committed: what was at "
-                              f"{path} before is untouched and the partial write stays in {staging}.") from err
-    folder.commit(staging, path)
+    return SaveJob(path, folder.begin(path), entries, blobs, checksums)
 
 
 def load_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
@@ -109,7 +145,7 @@ def load_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimize
                 f"checkpoint comes from a different architecture; pass strict=False to ignore such keys.")
     planner = PieceLoadPlanner(plan.entries, plan.blob_keys)
     try:
-        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=planner)
+        load_checked(path, planner)
     except CheckpointException as err:
         raise CheckpointError(f"loading {path} failed ({summarize_failures(err)}).") from err
     with torch.no_grad():

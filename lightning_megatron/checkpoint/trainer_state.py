@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from .rng_state import capture_rng_state, restore_rng_state
 from ..tensor_parallel.random import RNGStatesTracker
+from .background import BackgroundSaver
 from .info import load_rank_state
 from .sharded import load_sharded, save_sharded
 
@@ -24,11 +25,14 @@ SHARDED_KEY = "megatron_sharded"
 
 
 def save_trainer_checkpoint(path: Union[str, os.PathLike], checkpoint: Mapping[str, Any], modules: Sequence[Any],
-                            optimizers: List[Any], rng_tracker: RNGStatesTracker) -> None:
+                            optimizers: List[Any], rng_tracker: RNGStatesTracker, *, checksums: bool = False,
+                            background: Optional[BackgroundSaver] = None) -> None:
     """Write ``checkpoint`` (Lightning's dict; its ``state_dict``/``optimizer_states`` are ignored: the
-    shards hold them) for ``modules`` and ``optimizers`` (collective)."""
+    shards hold them) for ``modules`` and ``optimizers`` (collective); through ``background`` when given."""
     extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    save_sharded(path, list(modules), optimizers, extra_state=extra, rank_state=capture_rng_state(rng_tracker))
+    save = background.save if background is not None else save_sharded
+    save(path, list(modules), optimizers, extra_state=extra, rank_state=capture_rng_state(rng_tracker),
+         checksums=checksums)
 
 
 def load_trainer_checkpoint(path: Union[str, os.PathLike], modules: Sequence[Any], optimizers: Optional[List[Any]],
