@@ -2,7 +2,7 @@
 # A walk-through of README.md and examples/ on a CPU machine: the README's commands, its "Use it"
 # program, and every recipe at 1 and 2 CPU ranks with tiny sizes, stopping at the first failure.
 #
-#   bash examples/smoke.sh            # everything: 24 steps, about 9 minutes on 2 CPU cores
+#   bash examples/smoke.sh            # everything: 26 steps, about 10 minutes on 2 CPU cores
 #   bash examples/smoke.sh --fast     # what no test runs: 4 steps, 1 minute on 2 idle cores, 2 when busy;
 #                                     # CI runs it (tests/integration/recipes/test_smoke.py)
 #   bash examples/smoke.sh --install  # first the README's install command (a clean machine)
@@ -171,6 +171,16 @@ if [[ $FAST == 0 ]]; then
     fit "llama_tiny.yaml, tensor parallel (2 ranks)" "^final .*train_loss=" llama_tp2 --config examples/llama_tiny.yaml \
         --trainer.devices 2 --trainer.strategy.tensor_model_parallel_size 2 --trainer.max_steps 4 \
         --trainer.val_check_interval 4 "${LLAMA_DATA[@]}"
+    # (tests/integration/recipes/test_chat_recipe.py runs chat_tiny at PP2) its tiny model, chat tokenizer and
+    # conversations are generated on first use: into the temporary folder, not ./data
+    CHAT_DATA=(--model.pretrained "$WORK/chat/model" --model.export_dir "$WORK/chat/export"
+               --data.train_files "[$WORK/chat/train.jsonl]" --data.valid_files "[$WORK/chat/valid.jsonl]"
+               --data.tokenizer "$WORK/chat/model" --data.sample "$WORK/chat" --trainer.max_steps 4
+               --trainer.val_check_interval 4)
+    fit "chat_tiny.yaml (1 rank)" "^exported the fine-tuned model to " chat_1 --config examples/chat_tiny.yaml \
+        "${CHAT_DATA[@]}"
+    fit "chat_tiny.yaml, tensor parallel (2 ranks)" "^final .*val_loss=" chat_tp2 --config examples/chat_tiny.yaml \
+        --trainer.devices 2 --trainer.strategy.tensor_model_parallel_size 2 "${CHAT_DATA[@]}"
 fi
 
 # -- the rest of the README and docs/launching.md -----------------------------------------------------------

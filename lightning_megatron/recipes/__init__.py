@@ -1,3 +1,3 @@
 """Recipes built on the library: the LightningCLI entry point (``cli``), BERT fine-tuning on MNLI and RACE
 (``finetune``, with their readers in ``data``), GPT/Llama pre-training (``pretrain``) and its token corpus
-(``corpus``). Nothing in the library imports them."""
+(``corpus``), chat fine-tuning of an imported Hugging Face model (``chat``). Nothing in the library imports them."""
