@@ -1,4 +1,4 @@
-"""Multi-GPU scaling through the Trainer (the path users take): tensor, pipeline (1F1B and interleaved),
+"""Multi-GPU scaling through the Trainer (the path users take): tensor, pipeline (1F1B, interleaved, zero-bubble),
 data (distributed optimizer with overlapped reduce and gather), context and expert parallelism.
 
 Workloads (bf16-true, fused AdamW, gradient clipping at 1.0, the loss logged every step as users do):
@@ -60,6 +60,7 @@ class Layout:
     sp: bool = False
     distopt: bool = False
     split: Optional[str] = None   # the model's pipeline_layout (None: its default, balanced by cost; "9,7": by hand)
+    schedule: str = "1f1b"        # the strategy's pipeline_schedule ("zb-h1": zero-bubble 1F1B)
 
     @property
     def dp(self) -> int:
@@ -82,7 +83,8 @@ def layouts(gpus: int) -> List[Layout]:
                 Layout(f"gpt-dp{n}", "dp", "gpt", n, 8 * n, 4, distopt=True)]
         for m in (4, 8, 16):
             out += [Layout(f"gpt-pp{n}-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n),
-                    Layout(f"gpt-pp{n}-vpp2-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n, vpp=2)]
+                    Layout(f"gpt-pp{n}-vpp2-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n, vpp=2),
+                    Layout(f"gpt-pp{n}-zb-m{m}", "pp", "gpt", n, 2 * m, 2, pp=n, schedule="zb-h1")]
     # the pipeline split (issue 30): 8 sequences of 4096 as 8 micro-batches of 1, default (balanced) vs even
     out.append(Layout("llama-1gpu", "balance", "llama", 1, 8, 1))
     for n in (2, 4):
@@ -91,6 +93,7 @@ def layouts(gpus: int) -> List[Layout]:
                 name = f"llama-pp{n}" + (f"-vpp{vpp}" if vpp else "") + "-m8"
                 out += [Layout(name, "balance", "llama", n, 8, 1, pp=n, vpp=vpp),
                         Layout(name + "-even", "balance", "llama", n, 8, 1, pp=n, vpp=vpp, split="even")]
+            out.append(Layout(f"llama-pp{n}-zb-m8", "balance", "llama", n, 8, 1, pp=n, schedule="zb-h1"))
     if gpus >= 2:   # the neighbour of the balanced [10, 6], by hand
         out.append(Layout("llama-pp2-m8-9-7", "balance", "llama", 2, 8, 1, pp=2, split="9,7"))
     out.append(Layout("moe-1gpu", "moe", "moe", 1, 4, 2))
@@ -193,7 +196,8 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
     strategy = MegatronStrategy(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                 virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
                                 expert_model_parallel_size=layout.ep, sequence_parallel=layout.sp,
-                                micro_batch_size=layout.micro_batch, use_distributed_optimizer=layout.distopt,
+                                micro_batch_size=layout.micro_batch, pipeline_schedule=layout.schedule,
+                                use_distributed_optimizer=layout.distopt,
                                 overlap_grad_reduce=layout.distopt, overlap_param_gather=layout.distopt)
     torch.manual_seed(0)
     steps = WARMUP + STEPS + PROFILED
@@ -299,7 +303,8 @@ def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
             v = layout.vpp or 1   # interleaving: the fill and drain take (p - 1)/v stage-micro-batches
             ideal_ms = max(stage) / m * (m + (p - 1) / v)
             step_ms = r["step_s"] * 1e3
-            ideal_bubble = (p - 1) / (v * m + p - 1)
+            # zero-bubble with equal F, B and W times: p - 1 of 3m + p - 1 (ideal_ms stays 1F1B's ideal)
+            ideal_bubble = (p - 1) / (3 * m + p - 1) if layout.schedule == "zb-h1" else (p - 1) / (v * m + p - 1)
             measured_bubble = 1 - max(stage) / step_ms
             cells = (f"{' / '.join(f'{c:.1f}' for c in stage)} | {ideal_ms:.1f} | {step_ms / ideal_ms:.3f} | "
                      f"{measured_bubble:.1%} | {ideal_bubble:.1%}")

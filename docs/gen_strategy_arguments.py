@@ -48,6 +48,11 @@ MISSING_DOCSTRINGS: Dict[str, str] = {
     "microbatch_group_size_per_vp_stage":
         "interleaved schedule only: micro-batches that pass through one model chunk before the next chunk "
         "starts (Megatron-Core's argument of the same name); ``None`` means ``pipeline_model_parallel_size``.",
+    "pipeline_schedule":
+        "``\"1f1b\"``: 1F1B (interleaved with virtual stages). ``\"zb-h1\"``: zero-bubble 1F1B (ZB-H1, Qi et al. "
+        "2023): a backward computes input gradients only and the column/row-parallel linears' weight gradients run "
+        "later, in the bubbles 1F1B leaves; the same activation memory as 1F1B's first stage, about a third of its "
+        "bubble with equal forward, input- and weight-gradient times.",
     "process_group_backend":
         "``torch.distributed`` backend; ``None`` picks Lightning's default for the device (``nccl`` on CUDA, "
         "``gloo`` on CPU).",
@@ -103,6 +108,8 @@ CONSTRAINTS: Dict[str, str] = {
     "microbatch_group_size_per_vp_stage": "``None`` or int >= 1; with interleaving it must lie in "
                                           "``[pp, micro-batches per step]``, and the last group must hold 0 or "
                                           ">= ``pp`` micro-batches",
+    "pipeline_schedule": "``\"1f1b\"`` or ``\"zb-h1\"``; ``\"zb-h1\"`` refuses virtual stages "
+                         "(``virtual_pipeline_model_parallel_size`` > 1), ``cuda_graph`` and ``fp8`` (step engine)",
     "process_group_backend": "a backend ``torch.distributed`` knows",
     "timeout": "a ``timedelta``; used for ``init_process_group`` and every parallel group",
     "start_method": "one of ``popen``, ``spawn``, ``fork``, ``forkserver``",

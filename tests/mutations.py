@@ -290,6 +290,22 @@ MUTATIONS: List[Mutation] = [
              "and now - heard[r][1] >= self.dead_after_s > 0", "and False",
              ("tests/unit/distributed/test_hang_watch.py::test_a_rank_whose_watcher_stopped_answering_is_called_gone_on_every_other_rank",),
              ci=False),
+    # ZB-H1: every micro-batch's weight pass runs, after its backward, through autograd (the DP hooks fire there)
+    Mutation("zero-bubble-last-weight-pass-skipped", "lightning_megatron/pipeline/executor.py",
+             "            self.weight_grads.pop(key).run()\n",
+             "            queue = self.weight_grads.pop(key)\n"
+             "            if step.microbatch != self.data.num_microbatches - 1:\n                queue.run()\n",
+             (f"{STRATEGY}/test_zero_bubble_updates.py::test_zero_bubble_updates_match_single_process[pp2]",), ci=False),
+    Mutation("zero-bubble-weight-before-backward", "lightning_megatron/pipeline/zero_bubble.py",
+             "        steps.append(ScheduleStep(BACKWARD, 0, i))\n        weight()\n",
+             "        weight()\n        steps.append(ScheduleStep(BACKWARD, 0, i))\n",
+             ("tests/unit/pipeline/test_zero_bubble.py::test_order_properties[4]",), ci=False),
+    Mutation("zero-bubble-weight-grads-bypass-hooks", "lightning_megatron/tensor_parallel/deferred_wgrad.py",
+             "            torch.autograd.backward(weight, dw.to(weight.dtype))\n",
+             "            with torch.no_grad():\n"
+             "                weight.grad = dw.to(weight.dtype) if weight.grad is None else weight.grad + dw\n",
+             (f"{STRATEGY}/test_zero_bubble_updates.py::test_zero_bubble_updates_match_single_process[dp2pp2-distopt-overlap]",),
+             ci=False),
     # checkpoints: background saves write a snapshot; checksums are checked
     Mutation("background-save-without-snapshot", "lightning_megatron/checkpoint/stage.py",
              "        staged.append(Entry(entry.key, entry.placement, [target]))", "        staged.append(entry)",

@@ -106,7 +106,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
                  expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
                  order: str = DEFAULT_ORDER, sequence_parallel: bool = False,
                  micro_batch_size: Optional[int] = None,
-                 microbatch_group_size_per_vp_stage: Optional[int] = None,
+                 microbatch_group_size_per_vp_stage: Optional[int] = None, pipeline_schedule: str = "1f1b",
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", cuda_graph: Optional[str] = None,
                  cuda_graph_scope: Union[str, List[str]] = "layer", cuda_graph_warmup_steps: int = 1,
@@ -125,7 +125,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         self.parallel = ParallelConfig(
             tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
             context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, order, sequence_parallel,
-            micro_batch_size, microbatch_group_size_per_vp_stage)
+            micro_batch_size, microbatch_group_size_per_vp_stage, pipeline_schedule)
         self.gradient_config = GradientConfig(overlap_grad_reduce, bucket_size, grad_reduce_in_fp32,
                                               use_distributed_optimizer, overlap_param_gather)
         self.graph_config = CudaGraphConfig(cuda_graph, cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
@@ -233,8 +233,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.engine is not None:   # validate/test after fit
             self.engine.close()
-        self.engine = StepEngine(
-            self.lightning_module, self._state(), device=self.root_device, micro_batch_size=self.parallel.micro_batch_size,
+        self.engine = StepEngine(self.lightning_module, self._state(), device=self.root_device,
+            micro_batch_size=self.parallel.micro_batch_size, pipeline_schedule=self.parallel.pipeline_schedule,
             microbatch_group_size_per_vp_stage=self.parallel.microbatch_group_size_per_vp_stage,
             calculate_per_token_loss=self.calculate_per_token_loss, **dataclasses.asdict(self.graph_config))
         if self.gradients is not None:

@@ -34,6 +34,7 @@ from ..context_parallel import sequence_keys, split_for_context_parallel
 from .microbatches import batch_size_of, split_into_microbatches
 from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
+from ..parallel.config import check_pipeline_schedule
 from ..parallel.heartbeat import HEARTBEAT
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
@@ -150,13 +151,18 @@ class StepEngine:
       eager steps; ``cuda_graph_backend="eager"`` runs the capture bookkeeping without graphs.
     - ``calculate_per_token_loss``: ``last_stage`` returns ``(sum to backpropagate, sum to report,
       token count)`` (see the module doc).
+    - ``pipeline_schedule``: ``"1f1b"`` (interleaved with virtual stages) or ``"zb-h1"`` (zero-bubble
+      1F1B: weight gradients of the tensor-parallel linears deferred into the bubbles; one chunk, eager
+      steps in high precision: no CUDA graphs, no float8).
     """
 
     def __init__(self, module: nn.Module, state: ParallelState, *, device: torch.device,
                  micro_batch_size: Optional[int] = None, microbatch_group_size_per_vp_stage: Optional[int] = None,
                  cuda_graph: Optional[str] = None, cuda_graph_scope: Any = "layer", cuda_graph_warmup_steps: int = 1,
-                 cuda_graph_backend: str = "cuda", calculate_per_token_loss: bool = False) -> None:
+                 cuda_graph_backend: str = "cuda", calculate_per_token_loss: bool = False,
+                 pipeline_schedule: str = "1f1b") -> None:
         self.module, self.state, self.device = module, state, device
+        self.pipeline_schedule = _check_schedule(pipeline_schedule, module, state, cuda_graph)
         self.per_token = calculate_per_token_loss
         self.micro_batch_size = micro_batch_size
         self.group_size = microbatch_group_size_per_vp_stage
@@ -298,7 +304,7 @@ class StepEngine:
                              num_tokens=1 if self.per_token else None,   # per-token sums: nothing divided
                              microbatch_group_size_per_vp_stage=self.group_size,
                              pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device,
-                             **shape_args)
+                             schedule=self.pipeline_schedule, **shape_args)
         finally:   # no received activation (nor its gradient) may outlive the step, in any virtual chunk
             for chunk in range(self.chunks):
                 with state.running_chunk(chunk) if self.chunks > 1 else contextlib.nullcontext():
@@ -353,6 +359,19 @@ class StepEngine:
         if self.partial_graphs is not None:
             self.partial_graphs.remove()
         self.partial_graphs, self.full_graph = None, None
+
+
+def _check_schedule(schedule: str, module: nn.Module, state: ParallelState, cuda_graph: Optional[str]) -> str:
+    """``schedule`` if it runs with these settings, else one error naming what to drop."""
+    check_pipeline_schedule(schedule, state.virtual_pipeline_size or 1)
+    if schedule == "zb-h1":
+        if cuda_graph is not None:
+            raise ValueError(f"pipeline_schedule='zb-h1' cannot run with cuda_graph={cuda_graph!r}: the graphs replay "
+                             "1F1B's order of whole backwards; drop cuda_graph or use pipeline_schedule='1f1b'.")
+        if any(getattr(m, "float8", None) is not None for m in module.modules()):
+            raise ValueError("pipeline_schedule='zb-h1' cannot run with fp8: the float8 linears compute their weight "
+                             "gradient inside the backward; drop fp8 or use pipeline_schedule='1f1b'.")
+    return schedule
 
 
 def _token_count(count: Any, device: torch.device) -> torch.Tensor:

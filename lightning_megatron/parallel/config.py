@@ -12,7 +12,21 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from .topology import DEFAULT_ORDER, ParallelLayout, check_size
+from .topology import DEFAULT_ORDER, ParallelConfigError, ParallelLayout, check_size
+
+# "1f1b": 1F1B, interleaved with virtual stages; "zb-h1": zero-bubble 1F1B (pipeline/zero_bubble.py)
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1")
+
+
+def check_pipeline_schedule(name: object, num_model_chunks: int = 1) -> str:
+    """``name`` if it is a schedule that runs with ``num_model_chunks`` chunks per rank, else one clear error."""
+    if name not in PIPELINE_SCHEDULES:
+        raise ParallelConfigError(f"pipeline_schedule={name!r} is not one of {', '.join(map(repr, PIPELINE_SCHEDULES))}.")
+    if name == "zb-h1" and num_model_chunks > 1:
+        raise ParallelConfigError(
+            f"pipeline_schedule='zb-h1' runs one model chunk per stage, but virtual_pipeline_model_parallel_size="
+            f"{num_model_chunks}: drop the virtual stages, or use pipeline_schedule='1f1b' (interleaved).")
+    return str(name)
 
 
 @dataclass(frozen=True)
@@ -29,8 +43,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     micro_batch_size: Optional[int] = None
     microbatch_group_size_per_vp_stage: Optional[int] = None
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        check_pipeline_schedule(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size or 1)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size"):
             check_size(name, getattr(self, name))
@@ -59,4 +75,4 @@ class ParallelConfig:
                               etp=self.expert_tensor_parallel_size, order=self.order)
 
 
-__all__ = ["ParallelConfig"]
+__all__ = ["PIPELINE_SCHEDULES", "ParallelConfig", "check_pipeline_schedule"]

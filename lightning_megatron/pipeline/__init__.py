@@ -27,6 +27,9 @@ __getattr__, __dir__ = lazy_face(__name__, {
     'resolve_group_size': '.schedules',
     'schedule_order': '.schedules',
     'schedule_steps': '.schedules',
+    'WEIGHT': '.schedules',
+    'bubble_fraction': '.zero_bubble',
+    'zero_bubble_h1_schedule': '.zero_bubble',
     'allreduce_shared_embedding_grads': '.shared_embeddings',
     'check_tied_optimizer_settings': '.shared_embeddings',
     'shared_embedding_parameters': '.shared_embeddings',
@@ -52,8 +55,9 @@ if TYPE_CHECKING:
     from .schedules import (
         BACKWARD, FORWARD, MicrobatchCounts, ScheduleStep, convert_schedule_table_to_order,
         convert_schedule_table_to_steps, get_pp_rank_microbatches,
-        get_schedule_table, resolve_group_size, schedule_order, schedule_steps,
+        get_schedule_table, resolve_group_size, schedule_order, schedule_steps, WEIGHT,
     )
+    from .zero_bubble import bubble_fraction, zero_bubble_h1_schedule
     from .shared_embeddings import (
         allreduce_shared_embedding_grads, check_tied_optimizer_settings, shared_embedding_parameters,
         sync_shared_embedding_weights,
@@ -71,7 +75,7 @@ __all__ = [
     "convert_schedule_table_to_order", "convert_schedule_table_to_steps",
     "get_pp_rank_microbatches", "get_schedule_table", "layer_offset", "layers_per_chunk",
     "resolve_group_size", "schedule_order", "schedule_steps", "stage_layer_ranges",
-    "virtual_stage",
+    "virtual_stage", "WEIGHT", "bubble_fraction", "zero_bubble_h1_schedule",
     # runtime
     "CommRound", "ForwardStepFn", "PipelineOutput", "PipelineP2P", "StepContext",
     "allreduce_shared_embedding_grads", "check_tied_optimizer_settings", "comm_plan", "deallocate_output_tensor",

@@ -16,6 +16,9 @@ ranks in a round: the pairing is unambiguous even at ``pp_size == 2``, where the
 the next stage are the same rank. Rounds are the greedy as-soon-as-possible timeline of the
 schedule, i.e. the usual pipeline fill/drain; they are labels for pairing, not barriers: a rank
 with nothing to send or receive in a round does not wait for anyone.
+
+Under the zero-bubble schedule (``schedule="zb-h1"``) weight passes are steps too: they wait for
+nothing and send nothing, so they take a round of their own and no message.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from functools import lru_cache
 from typing import List, NamedTuple, Optional, Set, Tuple
 
 from .schedules import BACKWARD, FORWARD, ScheduleStep, resolve_group_size, schedule_steps
+from .zero_bubble import zero_bubble_h1_schedule
+from ..parallel.config import check_pipeline_schedule
 from ..parallel.stages import virtual_stage
 
 ChunkMicrobatch = Tuple[int, int]  # (local chunk, micro-batch)
@@ -51,31 +56,36 @@ class CommRound(NamedTuple):
 
 def comm_plan(num_microbatches: int, pp_size: int, num_model_chunks: int = 1,
               microbatch_group_size_per_vp_stage: Optional[int] = None,
-              forward_only: bool = False) -> List[List[CommRound]]:
+              forward_only: bool = False, schedule: str = "1f1b") -> List[List[CommRound]]:
     """Per pipeline rank, the rounds in which it runs a step or exchanges tensors, in order.
 
-    Every rank's steps appear in exactly ``schedule_steps`` order. Round ``t`` of rank ``r``
+    Every rank's steps appear in exactly ``schedule_steps`` order (``zero_bubble_h1_schedule``'s for
+    ``schedule="zb-h1"``, one chunk; forward-only steps are the same for both). Round ``t`` of rank ``r``
     has ``send_next`` iff round ``t`` of rank ``r+1`` has ``recv_prev`` (ranks wrap around, as
     interleaving needs), and ``send_prev`` iff rank ``r-1`` has ``recv_next``.
     """
     g = resolve_group_size(num_microbatches, pp_size, num_model_chunks,
                            microbatch_group_size_per_vp_stage)
-    plan = _plan(num_microbatches, pp_size, num_model_chunks, g, forward_only)
+    zero_bubble = check_pipeline_schedule(schedule, num_model_chunks) == "zb-h1" and not forward_only
+    plan = _plan(num_microbatches, pp_size, num_model_chunks, g, forward_only, zero_bubble)
     return [list(rounds) for rounds in plan]
 
 
 def _input_of(step: ScheduleStep, stage: int, last_stage: int) -> Optional[Tuple[str, int, int]]:
     """The message a step waits for: its activation (not on stage 0) or its output gradient
     (not on the last stage, whose backward starts from the loss)."""
+    if step.is_weight:
+        return None
     if step.is_forward:
         return (FORWARD, stage, step.microbatch) if stage > 0 else None
     return (BACKWARD, stage, step.microbatch) if stage < last_stage else None
 
 
 @lru_cache(maxsize=64)
-def _plan(m: int, pp: int, chunks: int, g: int,
-          forward_only: bool) -> Tuple[Tuple[CommRound, ...], ...]:
-    steps = [schedule_steps(m, pp, r, chunks, g, forward_only) for r in range(pp)]
+def _plan(m: int, pp: int, chunks: int, g: int, forward_only: bool,
+          zero_bubble: bool = False) -> Tuple[Tuple[CommRound, ...], ...]:
+    steps = [zero_bubble_h1_schedule(m, pp, r) if zero_bubble else schedule_steps(m, pp, r, chunks, g, forward_only)
+             for r in range(pp)]
     last_stage = pp * chunks - 1
     arrived: Set[Tuple[str, int, int]] = set()
     position = [0] * pp
@@ -101,7 +111,7 @@ def _plan(m: int, pp: int, chunks: int, g: int,
         recv_prev: List[Optional[ChunkMicrobatch]] = [None] * pp
         recv_next: List[Optional[ChunkMicrobatch]] = [None] * pp
         for r, step in enumerate(ran):
-            if step is None:
+            if step is None or step.is_weight:
                 continue
             stage = virtual_stage(pp, r, step.chunk)
             if step.is_forward and stage < last_stage:

@@ -1,8 +1,11 @@
 """Run forward and backward of every micro-batch over this rank's model chunks, in schedule order.
 
-One engine serves the three schedules, since ``schedule_steps`` already says what runs when:
-no pipelining (``pp_size == 1``: F,B,F,B... = gradient accumulation), 1F1B (one chunk) and
-interleaved 1F1B (several chunks). ``comm_plan`` pairs every send with its receive, so the
+One engine serves the schedules, since ``schedule_steps`` already says what runs when:
+no pipelining (``pp_size == 1``: F,B,F,B... = gradient accumulation), 1F1B (one chunk),
+interleaved 1F1B (several chunks) and zero-bubble 1F1B (``schedule="zb-h1"``, ``zero_bubble.py``:
+a backward computes input gradients only, and a later weight step the weight gradients its
+forward's deferring linears left in the micro-batch's queue, ``tensor_parallel/deferred_wgrad.py``).
+``comm_plan`` pairs every send with its receive, so the
 engine just walks its rounds: run the round's step, then exchange with the neighbours.
 
 The caller's ``forward_step_fn(microbatch, model_chunk, ctx)`` runs one chunk on one
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence,
+from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Set,
                     Tuple, Union, cast)
 
 import torch
@@ -36,7 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import ParallelState, get_parallel_state, has_parallel_state
+from ..parallel.config import check_pipeline_schedule
 from ..parallel.heartbeat import HEARTBEAT
+from ..tensor_parallel.deferred_wgrad import WeightGradQueue, collect_weight_grads, enable_deferred_weight_grads
 from .comm_plan import ChunkMicrobatch, comm_plan
 from .p2p import PipelineP2P, prepare_group_for_batched_p2p
 from .schedules import ScheduleStep
@@ -90,7 +95,8 @@ def forward_backward(forward_step_fn: ForwardStepFn,
                      no_sync: Optional[Callable[[], ContextManager[Any]]] = None,
                      finalize_grads: Optional[Callable[[], None]] = None,
                      pp_group: Optional[dist.ProcessGroup] = None,
-                     device: Optional[torch.device] = None) -> PipelineOutput:
+                     device: Optional[torch.device] = None,
+                     schedule: str = "1f1b") -> PipelineOutput:
     """Forward (and unless ``forward_only``, backward) of every micro-batch; see the module doc.
 
     - ``microbatches``: a sequence (indexed by micro-batch) or an iterator (read once, in
@@ -101,9 +107,14 @@ def forward_backward(forward_step_fn: ForwardStepFn,
     - ``num_tokens``: the whole batch's token count when the last stage returns per-token loss
       *sums*; otherwise the loss is a mean and micro-batches are averaged.
     - ``no_sync()``: a context that defers gradient reduction; it wraps every step except the
-      last micro-batch (no pipelining) / the final backward (pipelined). ``finalize_grads()``
-      runs once after the last backward (e.g. DP reduce, ``allreduce_shared_embedding_grads``).
+      last micro-batch (no pipelining) / the final backward (pipelined) / the last micro-batch's
+      backward and weight steps (zero-bubble: weight steps of earlier micro-batches between them
+      stay inside). ``finalize_grads()`` runs once after the last backward (e.g. DP reduce,
+      ``allreduce_shared_embedding_grads``).
     - ``pp_group``: default the active ``ParallelState``'s; with no state, a single stage.
+    - ``schedule``: ``"1f1b"`` (interleaved with several chunks) or ``"zb-h1"`` (one chunk); the
+      latter marks the chunks' tensor-parallel linears to defer their weight gradients
+      (``enable_deferred_weight_grads``; they behave as before outside a zero-bubble step).
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     if not chunks:
@@ -120,25 +131,31 @@ def forward_backward(forward_step_fn: ForwardStepFn,
         assert pp_group is not None   # more than one stage: a pipeline group exists
         comm = PipelineP2P(pp_group, tensor_shape, dtype, device, variable_seq_lengths)
         prepare_group_for_batched_p2p(pp_group, comm.device)
+    zero_bubble = check_pipeline_schedule(schedule, len(chunks)) == "zb-h1" and not forward_only
+    if zero_bubble:
+        for chunk in chunks:
+            enable_deferred_weight_grads(chunk)
     plan = comm_plan(m, pp_size, len(chunks), microbatch_group_size_per_vp_stage,
-                     forward_only)[pp_rank]
+                     forward_only, schedule)[pp_rank]
     run = _Run(forward_step_fn, _Microbatches(microbatches, m, len(chunks)), chunks, pp_rank,
-               pp_size, forward_only, m if num_tokens is None else num_tokens)
+               pp_size, forward_only, m if num_tokens is None else num_tokens, zero_bubble)
     steps = [r.step for r in plan if r.step is not None]
-    sync_from = len(steps) - (2 if pp_size == 1 else 1)  # last micro-batch / final backward
+    synced = _synced_steps(steps, pp_size, zero_bubble)
     running_chunk = _running_chunk(state, len(chunks))
+    done, waiting = 0, False   # waiting: inside no_sync (left for the synced steps; zero-bubble comes back)
+    beat, many_chunks = HEARTBEAT, len(chunks) > 1   # where this rank is, for the hang detector
     with ExitStack() as deferred:
-        if no_sync is not None and not forward_only:
-            deferred.enter_context(no_sync())
-        done = 0
-        beat, many_chunks = HEARTBEAT, len(chunks) > 1   # where this rank is, for the hang detector
         for rnd in plan:
             sent = None
             if rnd.step is not None:
-                if done == sync_from:
-                    deferred.close()
+                if no_sync is not None and not forward_only and waiting == (done in synced):
+                    if waiting:
+                        deferred.close()
+                    else:
+                        deferred.enter_context(no_sync())
+                    waiting = not waiting
                 chunk_id = rnd.step.chunk
-                beat.at("forward" if rnd.step.is_forward else "backward", rnd.step.microbatch,
+                beat.at("weight gradients" if rnd.step.is_weight else rnd.step.phase, rnd.step.microbatch,
                         chunk_id if many_chunks else None, chunk_id * pp_size + pp_rank if pp_size > 1 else None)
                 with running_chunk(chunk_id):
                     sent = run.step(rnd.step)
@@ -164,6 +181,15 @@ def forward_backward(forward_step_fn: ForwardStepFn,
     return run.output
 
 
+def _synced_steps(steps: List[ScheduleStep], pp_size: int, zero_bubble: bool) -> Set[int]:
+    """Indices of the steps that run outside ``no_sync``: those that give gradients their final value (and, with
+    no pipelining, the last micro-batch's forward, as data-parallel wrappers expect)."""
+    if zero_bubble:   # the last micro-batch's B (biases, norms, ...) and W (deferred weights)
+        last = max(s.microbatch for s in steps)
+        return {i for i, s in enumerate(steps) if not s.is_forward and s.microbatch == last}
+    return set(range(len(steps) - (2 if pp_size == 1 else 1), len(steps)))
+
+
 def _exchange_words(send_next: bool, send_prev: bool, recv_prev: bool, recv_next: bool) -> str:
     words = [w for w, on in (("send to next stage", send_next), ("send to previous stage", send_prev),
                              ("receive from previous stage", recv_prev), ("receive from next stage", recv_next)) if on]
@@ -185,7 +211,7 @@ class _Run:
 
     def __init__(self, forward_step_fn: ForwardStepFn, data: "_Microbatches",
                  chunks: List[nn.Module], pp_rank: int, pp_size: int, forward_only: bool,
-                 denominator: Union[int, float, torch.Tensor]) -> None:
+                 denominator: Union[int, float, torch.Tensor], zero_bubble: bool = False) -> None:
         self.forward_step_fn, self.data, self.chunks = forward_step_fn, data, chunks
         self.pp_rank, self.pp_size, self.forward_only = pp_rank, pp_size, forward_only
         self.last_stage = pp_size * len(chunks) - 1
@@ -193,6 +219,8 @@ class _Run:
         self.inputs: Dict[ChunkMicrobatch, torch.Tensor] = {}   # received, until forward/backward
         self.grads: Dict[ChunkMicrobatch, torch.Tensor] = {}    # received, until backward
         self.outputs: Dict[ChunkMicrobatch, torch.Tensor] = {}  # forward results, until backward
+        # zero-bubble: per micro-batch, the weight gradients its backward left (from forward to weight step)
+        self.weight_grads: Optional[Dict[ChunkMicrobatch, WeightGradQueue]] = {} if zero_bubble else None
         self.output = PipelineOutput()
 
     def step(self, step: ScheduleStep) -> Optional[torch.Tensor]:
@@ -200,8 +228,15 @@ class _Run:
         key = (step.chunk, step.microbatch)
         stage = virtual_stage(self.pp_size, self.pp_rank, step.chunk)
         if step.is_forward:
+            if self.weight_grads is not None:
+                with collect_weight_grads(self.weight_grads.setdefault(key, WeightGradQueue())):
+                    return self._forward(key, stage)
             with torch.no_grad() if self.forward_only else nullcontext():
                 return self._forward(key, stage)
+        if step.is_weight:
+            assert self.weight_grads is not None, "a weight step outside the zero-bubble schedule"
+            self.weight_grads.pop(key).run()
+            return None
         return self._backward(key, stage)
 
     def _forward(self, key: ChunkMicrobatch, stage: int) -> Optional[torch.Tensor]:

@@ -13,6 +13,10 @@ are ``M * C`` *virtual micro-batches*, one per (micro-batch, chunk) pair:
   ``+k`` / ``-k`` is the forward / backward of local chunk ``k`` (1-based), the convention of
   Transformer Engine's ``make_graphed_callables(_order=...)``.
 
+A third phase, ``weight``, belongs to the zero-bubble schedule (``zero_bubble.py``): there a
+backward computes only input gradients and the deferred weight gradients run as a step of their
+own. It has no ``+k``/``-k`` entry.
+
 Chunk ``c`` on rank ``r`` is virtual stage ``c * pp_size + r`` (see ``stages.virtual_stage``).
 """
 
@@ -25,6 +29,7 @@ from ..parallel._checks import check_int, check_rank, listing, nearest
 
 FORWARD: Literal["forward"] = "forward"
 BACKWARD: Literal["backward"] = "backward"
+WEIGHT: Literal["weight"] = "weight"   # zero-bubble: the weight gradients a backward deferred
 
 
 class MicrobatchCounts(NamedTuple):
@@ -39,7 +44,7 @@ class MicrobatchCounts(NamedTuple):
 class ScheduleStep(NamedTuple):
     """One entry of a rank's order: run ``phase`` of local ``chunk`` (0-based) on ``microbatch``."""
 
-    phase: Literal["forward", "backward"]
+    phase: Literal["forward", "backward", "weight"]
     chunk: int
     microbatch: int
 
@@ -48,8 +53,16 @@ class ScheduleStep(NamedTuple):
         return self.phase == FORWARD
 
     @property
+    def is_weight(self) -> bool:
+        """A zero-bubble weight-gradient pass: no input, nothing sent."""
+        return self.phase == WEIGHT
+
+    @property
     def order_entry(self) -> int:
-        """``+(chunk+1)`` for a forward, ``-(chunk+1)`` for a backward."""
+        """``+(chunk+1)`` for a forward, ``-(chunk+1)`` for a backward (a weight pass has none)."""
+        if self.is_weight:
+            raise ValueError(f"{self} is a weight-gradient pass: the +k/-k order has no entry for it "
+                             "(only 1F1B and interleaved orders are written that way).")
         return self.chunk + 1 if self.is_forward else -(self.chunk + 1)
 
 

@@ -8,7 +8,8 @@ are partial under sequence parallelism carry ``sequence_parallel=True``.
 
 The linear layers' local matmul (``local_linear``) is ``F.linear``, or the float8 matmul that
 ``lightning_megatron.quantization.float8.enable_fp8`` puts in the layer's ``float8`` attribute (torchao's float8
-training): the tensor-parallel communication around it is the same either way.
+training): the tensor-parallel communication around it is the same either way. For the zero-bubble
+pipeline schedule it can defer its weight gradient to a later step (``deferred_wgrad.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .mappings import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, resolve_group, scatter_to_tensor_parallel_region,
 )
+from .deferred_wgrad import deferrable_linear
 from .token_ids import check_ids_in_vocab
 from .utils import divide, set_tensor_model_parallel_attributes, vocab_range
 
@@ -88,14 +90,18 @@ class _TensorParallelLinear(_TensorParallelModule):
     #: this rank's ``(x, weight, bias) -> x @ weight.T + bias`` in float8, put here by
     #: ``lightning_megatron.quantization.float8.enable_fp8``; ``None``: ``F.linear``
     float8: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
+    #: the weight gradient may wait for the zero-bubble schedule's W step (``deferred_wgrad.py``)
+    defer_weight_grad: bool = False
 
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T + bias`` on this rank, no communication: ``F.linear``, or the float8 matmul
         ``enable_fp8`` installed (code that multiplies by a layer's weight itself should call this)."""
-        if self.float8 is None:
-            return F.linear(x, weight, bias)
-        return self.float8(x, weight, bias)
+        if self.float8 is not None:
+            return self.float8(x, weight, bias)
+        if self.defer_weight_grad and weight is self.weight:
+            return deferrable_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _float8_repr(self) -> str:
         return "" if self.float8 is None else f", float8={self.float8}"
