@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .mappings import eager_under_compile
+
 
 class WeightGradQueue:
     """The weight-gradient work one micro-batch's input-gradient backward left for its ``W`` step."""
@@ -91,7 +93,7 @@ def enable_deferred_weight_grads(module: nn.Module) -> int:
     return marked
 
 
-@torch._dynamo.disable
+@eager_under_compile   # a graph break: the queue is Python state (torch._dynamo is imported only when compiling)
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; inside ``collect_weight_grads`` with autograd on, its weight gradient
     waits in the queue.

@@ -22,7 +22,8 @@ group. A group of one rank makes every op the identity.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,41 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 # eagerly, its autograd function too, so compiled layers fuse what lies between collectives and communicate exactly
 # as eager layers do. Traced, they were wrong on GPUs (issue #32): torch 2.11's remap of the in-place c10d calls gave
 # the first layer's input a wrong gradient at tensor-parallel size 2 (NCCL and gloo alike), and c10d's functional
-# collectives did too with sequence parallelism; torch 2.13 traced both exactly. Eager cost of the wrapper: ~1 µs.
-_eager = torch._dynamo.disable
+# collectives did too with sequence parallelism; torch 2.13 traced both exactly. The disabled copies are made on first
+# need (importing torch._dynamo costs ~0.8 s, which a program that never compiles must not pay); eager calls pay one
+# ``is_compiling`` check.
+_EAGER: List[Callable[..., Any]] = []
+_DISABLED: Dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def _disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    found = _DISABLED.get(fn)
+    if found is None:   # reached under tracing, this call is itself a graph break: correct, only slower to trace
+        import torch._dynamo
+
+        found = _DISABLED[fn] = torch._dynamo.disable(fn)
+    return found
+
+
+def prepare_for_compile() -> None:
+    """Make every collective's disabled copy now (``compile_layers`` calls it), so tracing meets only their breaks."""
+    for fn in _EAGER:
+        _disabled(fn)
+
+
+def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as it is when eager, a graph break running it eagerly under ``torch.compile`` (see above)."""
+    _EAGER.append(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _disabled(fn)(*args)
+        return fn(*args)
+    return call
+
+
+_eager = eager_under_compile
 
 
 @_eager

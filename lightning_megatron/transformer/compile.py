@@ -97,6 +97,9 @@ def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> List[str]:
     if getattr(layer, "_compiled_call_impl", None) is not None:   # module.compile() (Float8Config(compile_layers))
         return []
     moe = isinstance(getattr(layer, "mlp", None), MoELayer)
+    from ..tensor_parallel.mappings import prepare_for_compile
+
+    prepare_for_compile()   # the collectives' graph breaks, made before tracing
     names = ["_attention_block"] if moe else list(COMPILED_BODIES)
     kwargs = dict(compile_kwargs)
     if kwargs.get("backend", "inductor") == "inductor" and _uses_dropout(layer):
