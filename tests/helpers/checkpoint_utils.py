@@ -94,3 +94,12 @@ def assert_same(a, b):
     assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))[:5]
     for k in a:
         assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
+def error_of(fn):
+    """``(type name, message)`` of what ``fn()`` raises, or None: multi-rank tests return it to compare ranks."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err)
+    return None

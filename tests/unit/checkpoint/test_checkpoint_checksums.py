@@ -15,7 +15,7 @@ from lightning_megatron.checkpoint import (
     CorruptCheckpointError, IncompleteCheckpointError, load_sharded, read_full_state_dict, save_sharded,
 )
 from lightning_megatron.testing import run_on_ranks
-from helpers.checkpoint_utils import activate, assert_same, build_gpt, global_view
+from helpers.checkpoint_utils import activate, assert_same, build_gpt, error_of, global_view
 
 
 def _flip_payload_byte(folder, rank_file):
@@ -36,14 +36,6 @@ def _flip_payload_byte(folder, rank_file):
         f.seek(at)
         f.write(bytes([byte ^ 0x40]))
     return key
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001
-        return type(err).__name__, str(err)
-    return None
 
 
 def _damaged_loads(root):
@@ -68,9 +60,9 @@ def _damaged_loads(root):
         shutil.copytree(checked, lost)
         os.remove(os.path.join(lost, "__1_0.distcp.crc32"))
     dist.broadcast_object_list(name)
-    errors = {"damaged": _error_of(lambda: load_sharded(damaged, fresh)),
-              "lost": _error_of(lambda: load_sharded(lost, fresh)),
-              "old": _error_of(lambda: load_sharded(old, fresh))}
+    errors = {"damaged": error_of(lambda: load_sharded(damaged, fresh)),
+              "lost": error_of(lambda: load_sharded(lost, fresh)),
+              "old": error_of(lambda: load_sharded(old, fresh))}
     after = global_view(fresh, None, state)
     return errors, name[0], [k for k in before if not torch.equal(after[k], before[k])]
 

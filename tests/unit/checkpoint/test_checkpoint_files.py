@@ -20,7 +20,7 @@ from lightning_megatron.models import BertModel
 from lightning_megatron.models.hf_bert import save_hf_bert
 from lightning_megatron.testing import MultiRankError, run_on_ranks
 from lightning_megatron.transformer import TransformerConfig
-from helpers.checkpoint_utils import activate, assert_same, batches, build_gpt, global_view, run
+from helpers.checkpoint_utils import activate, assert_same, batches, build_gpt, error_of, global_view, run
 
 
 def _shard_bytes(path):
@@ -112,32 +112,24 @@ def test_bert_checkpoint_exports_to_hugging_face(tmp_path):
 # -- errors ---------------------------------------------------------------------------------------------
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001
-        return type(err).__name__, str(err)
-    return None
-
-
 def _wrong_loads(root):
     ckpt, broken = os.path.join(root, "ckpt"), os.path.join(root, "broken")
     state = activate(tp=2)
     model = build_gpt(state, num_layers=2)
     save_sharded(ckpt, model)
     errors = {
-        "hidden": _error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=2, hidden_size=32))),
-        "deeper": _error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=3))),
-        "shallower": _error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=1))),
-        "shallower, not strict": _error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=1), strict=False)),
-        "optimizer": _error_of(lambda: load_sharded(ckpt, model, torch.optim.Adam(model.parameters()))),
-        "nothing there": _error_of(lambda: load_sharded(os.path.join(root, "nothing"), model)),
+        "hidden": error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=2, hidden_size=32))),
+        "deeper": error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=3))),
+        "shallower": error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=1))),
+        "shallower, not strict": error_of(lambda: load_sharded(ckpt, build_gpt(state, num_layers=1), strict=False)),
+        "optimizer": error_of(lambda: load_sharded(ckpt, model, torch.optim.Adam(model.parameters()))),
+        "nothing there": error_of(lambda: load_sharded(os.path.join(root, "nothing"), model)),
     }
     if dist.get_rank() == 0:
         shutil.copytree(ckpt, broken)
         os.remove(os.path.join(broken, "__1_0.distcp"))
     dist.barrier()
-    errors["missing shard"] = _error_of(lambda: load_sharded(broken, model))
+    errors["missing shard"] = error_of(lambda: load_sharded(broken, model))
     return errors
 
 
@@ -179,13 +171,13 @@ def _interrupted_save(root, how):
             raise OSError("disk full (simulated)")
         FileSystemWriter.write_data = failing_write
     try:
-        failure = _error_of(lambda: save_sharded(path, model, extra_state={"version": 2}))
+        failure = error_of(lambda: save_sharded(path, model, extra_state={"version": 2}))
     finally:
         FileSystemWriter.write_data = original
     fresh = build_gpt(state, num_layers=2, init_seed=3)
     assert load_sharded(path, fresh) == {"version": 1}
     assert_same(global_view(fresh, None, state), before)
-    return failure, _error_of(lambda: load_sharded(path + ".incomplete", fresh))
+    return failure, error_of(lambda: load_sharded(path + ".incomplete", fresh))
 
 
 def _previous_checkpoint_is_intact(root):
