@@ -287,7 +287,7 @@ MUTATIONS: List[Mutation] = [
              "        return outside", "        return running",
              ("tests/unit/distributed/test_hang_watch.py::test_who_differs",), ci=False),
     Mutation("dead-rank-never-called-gone", "lightning_megatron/distributed/hang.py",
-             "and now - heard[r][1] >= self.dead_after_s > 0", "and False",
+             "and now - heard[r][1] >= dead_after > 0", "and False",
              ("tests/unit/distributed/test_hang_watch.py::test_a_rank_whose_watcher_stopped_answering_is_called_gone_on_every_other_rank",),
              ci=False),
     # ZB-H1: every micro-batch's weight pass runs, after its backward, through autograd (the DP hooks fire there)
@@ -305,6 +305,21 @@ MUTATIONS: List[Mutation] = [
              "            with torch.no_grad():\n"
              "                weight.grad = dw.to(weight.dtype) if weight.grad is None else weight.grad + dw\n",
              (f"{STRATEGY}/test_zero_bubble_updates.py::test_zero_bubble_updates_match_single_process[dp2pp2-distopt-overlap]",),
+             ci=False),
+    # tp_comm_overlap: the ring's chunks and the weight gradient's gathered operand
+    Mutation("comm-overlap-reduce-scatter-chunk-off-by-one", "lightning_megatron/tensor_parallel/comm_overlap.py",
+             "        partial = _chunk(x, (rank - step - 1) % size, size) @ weight\n",
+             "        partial = _chunk(x, (rank - step) % size, size) @ weight\n",
+             ("tests/unit/tensor_parallel/test_comm_overlap.py::test_overlapped_linears_equal_the_plain_sequence_parallel_path",
+              f"{UPDATES}[tp2sp-commoverlap]"), ci=False),
+    Mutation("comm-overlap-weight-grad-from-own-chunk-only", "lightning_megatron/tensor_parallel/comm_overlap.py",
+             "        grad_w = _weight_grad(grad, gathered)\n",
+             "        grad_w = _weight_grad(grad, x.repeat(size, *([1] * (x.dim() - 1))))\n",
+             (f"{UPDATES}[tp2sp-commoverlap]",), ci=False),
+    # a launcher's SIGTERM shortens the wait for a silent peer
+    Mutation("sigterm-ignored-by-the-dead-rank-check", "lightning_megatron/distributed/hang.py",
+             "terminated = self.dead_after_s > 0 and self.sigterm_seen()", "terminated = False",
+             ("tests/unit/distributed/test_hang_watch.py::test_after_sigterm_a_silent_peer_is_called_gone_within_seconds",),
              ci=False),
     # checkpoints: background saves write a snapshot; checksums are checked
     Mutation("background-save-without-snapshot", "lightning_megatron/checkpoint/stage.py",
@@ -345,7 +360,7 @@ def run(mutation: Mutation, timeout: float = 900) -> Tuple[bool, float, str]:
                   "    print('imported', lightning_megatron.__file__, 'not the mutated copy', file=sys.stderr)\n"
                   "    sys.exit(3)\n"
                   "sys.exit(pytest.main(sys.argv[1:]))")
-        proc = subprocess.run([sys.executable, "-c", script, "-x", "-q", "-p", "no:cacheprovider", "--no-header",
+        proc = subprocess.run([sys.executable, "-c", script, "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-o", "addopts=",
                                *mutation.tests], cwd=into, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     return proc.returncode == 1, time.perf_counter() - start, lines[-1] if lines else proc.stderr[-300:]
@@ -356,18 +371,30 @@ WARM_IMPORTS = ("torch", "torch.distributed", "torch.nn.functional", "torch._dyn
                 "lightning", "lightning.pytorch", "torchmetrics")
 
 
-def run_warm(mutations: List[Mutation], jobs: int = 2, timeout: float = 900) -> Dict[str, Tuple[bool, float, str]]:
+def control(mutations: List[Mutation]) -> Mutation:
+    """No change at all, run on every test of ``mutations`` by the same warm runner: they must pass, so a
+    failure of a mutated copy is the plant's, not the runner's (its ranks are forks, not a fork server's)."""
+    first = mutations[0]
+    return Mutation(UNMUTATED, first.path, first.old, first.old,
+                    tuple(sorted({test for mutation in mutations for test in mutation.tests})))
+
+
+UNMUTATED = "unmutated"
+
+
+def run_warm(mutations: List[Mutation], jobs: int = 2, timeout: float = 900) -> Dict[str, Tuple[int, float, str]]:
     """``run`` for many mutations at once: this process imports the heavy dependencies once, then forks one
     child per mutation (``jobs`` at a time), which drops any imported copy of the package, puts its mutated
-    copy first on the path and runs pytest on the mutation's tests. Same verdicts as ``run``, a fraction of
-    the time (the children do not import torch and Lightning again; their ranks' fork server still does)."""
+    copy first on the path and runs pytest on the mutation's tests, its ranks forked from it. Returns each
+    one's (pytest exit code, seconds, pytest's last line): 1 is killed. Pass :func:`control` among them to see
+    the unmutated tests pass the same way."""
     import importlib
     import signal
 
     for name in WARM_IMPORTS:
         importlib.import_module(name)
     folders: Dict[str, Path] = {}
-    results: Dict[str, Tuple[bool, float, str]] = {}
+    results: Dict[str, Tuple[int, float, str]] = {}
     running: Dict[int, Tuple[Mutation, float]] = {}
     queue = list(mutations)
     try:
@@ -391,7 +418,7 @@ def run_warm(mutations: List[Mutation], jobs: int = 2, timeout: float = 900) -> 
             code = os.waitstatus_to_exitcode(status)
             log = (folders[mutation.name] / "pytest.log").read_text(errors="replace")
             lines = [line for line in log.splitlines() if line.strip()]
-            results[mutation.name] = (code == 1, time.perf_counter() - start, lines[-1] if lines else f"exit {code}")
+            results[mutation.name] = (code, time.perf_counter() - start, lines[-1] if lines else f"exit {code}")
             _kill_group(pid)
     finally:
         for pid in running:
@@ -414,6 +441,8 @@ def _kill_group(pid: int) -> None:
 def _child(mutation: Mutation, into: Path) -> int:
     """Run the mutation's tests against the copy in ``into``: 1 when a test failed (killed), 3 when the
     copy was not what got imported, else pytest's code. Output goes to ``into/pytest.log``."""
+    import torch
+
     os.setpgid(0, 0)
     log = os.open(into / "pytest.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
@@ -421,7 +450,11 @@ def _child(mutation: Mutation, into: Path) -> int:
     for name in [n for n in sys.modules if n == "lightning_megatron" or n.startswith(("lightning_megatron.", "helpers"))]:
         del sys.modules[name]
     sys.path[:] = [str(into), str(into / "tests")] + [p for p in sys.path if not p.startswith(str(ROOT))]
-    os.environ.update(PYTHONPATH=str(into), PYTHONDONTWRITEBYTECODE="1")
+    # the ranks are forks of this child (which already holds torch, Lightning and the mutated package) rather
+    # than of a fork server that imports them all again (~10 s per mutation); one intra-op thread, so no
+    # OpenMP pool exists to be broken by the fork
+    os.environ.update(PYTHONPATH=str(into), PYTHONDONTWRITEBYTECODE="1", LIGHTNING_MEGATRON_RANKS_START_METHOD="fork")
+    torch.set_num_threads(1)
     os.chdir(into)
     # the ranks' fork server must not re-run this runner as their __main__ (nor a caller's <stdin>)
     vars(sys.modules["__main__"]).pop("__file__", None)
@@ -431,7 +464,7 @@ def _child(mutation: Mutation, into: Path) -> int:
     if not lightning_megatron.__file__.startswith(str(into)):
         print("imported", lightning_megatron.__file__, "not the mutated copy", flush=True)
         return 3
-    code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--no-header", *mutation.tests]))
+    code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", *mutation.tests]))
     sys.stdout.flush()
     return code
 
@@ -446,20 +479,22 @@ def main(argv: List[str]) -> int:
     chosen = [m for m in MUTATIONS if not names or m.name in names]
     if "--ci" in argv:
         chosen = [m for m in chosen if m.ci]
-    verdicts = run_warm(chosen)
+    codes = run_warm([control(chosen), *chosen])   # the control first: the longest job
     if as_json:
         import json
 
-        print(json.dumps(verdicts))
+        print(json.dumps(codes))
         return 0
-    rows = [(m, *verdicts[m.name]) for m in chosen]
+    code, seconds, last = codes[UNMUTATED]
+    print(f"{'passed' if code == 0 else 'FAILED':8s} {seconds:6.1f}s  {UNMUTATED} (every test, no plant): {last}")
+    rows = [(m, codes[m.name][0] == 1, *codes[m.name][1:]) for m in chosen]
     for mutation, killed, seconds, last in rows:
         print(f"{'killed' if killed else 'SURVIVED':8s} {seconds:6.1f}s  {mutation.name}: {last}", flush=True)
     print("\n| mutation | file | caught by | result |\n|---|---|---|---|")
     for mutation, killed, seconds, last in rows:
         tests = ", ".join(t.split("::", 1)[1] for t in mutation.tests)
         print(f"| {mutation.name} | `{mutation.path}` | `{tests}` | {'killed' if killed else '**survived**'} |")
-    return 0 if all(killed for _, killed, _, _ in rows) else 1
+    return 0 if code == 0 and all(killed for _, killed, _, _ in rows) else 1
 
 
 if __name__ == "__main__":

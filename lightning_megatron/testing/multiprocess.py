@@ -114,14 +114,18 @@ def _is_gloo_mesh_failure(err: BaseException) -> bool:
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
                  backend: str = "gloo", init_process_group: bool = True,
-                 start_method: str = "forkserver", **kwargs: Any) -> List[Any]:
+                 start_method: Optional[str] = None, **kwargs: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` processes; return each rank's result, by rank.
 
     ``fn`` must be importable (a module-level function) and its result picklable by
     ``torch.save``. Each process has ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set
     (so a launcher such as Lightning can initialize itself when ``init_process_group=False``);
-    otherwise the world is already initialized on ``backend`` when ``fn`` starts.
+    otherwise the world is already initialized on ``backend`` when ``fn`` starts. ``start_method`` defaults
+    to ``$LIGHTNING_MEGATRON_RANKS_START_METHOD``, else ``"forkserver"`` (a clean copy of the preloaded
+    modules); ``tests/mutations.py`` sets ``"fork"`` in its single-threaded children, whose ranks then start
+    without importing anything again.
     """
+    start_method = start_method or os.environ.get("LIGHTNING_MEGATRON_RANKS_START_METHOD") or "forkserver"
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {world_size!r}.")
     if timeout <= 0:
