@@ -1,7 +1,8 @@
 """Ours against what a Llama user would pick instead, through Lightning, side by side (issue #32).
 
 - ``ours`` / ``ours-compiled``: ``LlamaModel`` through ``Trainer(strategy=MegatronStrategy(...))`` with
-  ``compile_layers=False`` / ``True``;
+  ``compile_layers=False`` / ``True``; ``ours-overlap`` / ``ours-compiled-overlap`` with ``tp_comm_overlap=True``
+  too (``--tp`` >= 2);
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
@@ -138,7 +139,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     s = SHAPES[args.shape]
     gpus = int(os.environ.get("WORLD_SIZE", "1"))
     ours = name.startswith("ours")
-    compiled = name.endswith("compiled")
+    compiled = "compiled" in name
     dp = gpus // args.tp if (ours or name.startswith("peer-tp")) else gpus
     per_rank = args.batch // dp                 # sequences per rank per optimizer step
     accumulate = 1 if ours else per_rank // args.micro_batch
@@ -218,6 +219,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         from lightning_megatron import MegatronStrategy
 
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
+                                    tp_comm_overlap=name.endswith("overlap"),
                                     micro_batch_size=args.micro_batch, compile_layers=compiled,
                                     use_distributed_optimizer=dp > 1, overlap_grad_reduce=dp > 1)
         batch = per_rank

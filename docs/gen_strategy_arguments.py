@@ -104,6 +104,8 @@ CONSTRAINTS: Dict[str, str] = {
     "order": "the axes ``tp``, ``cp``, ``ep``, ``dp``, ``pp`` joined by ``-``, each once; the dense and expert "
              "grids must get the same pipeline groups (keep ``pp`` last)",
     "sequence_parallel": "bool; with ``tensor_model_parallel_size=1`` it warns and is turned off",
+    "tp_comm_overlap": "bool; needs ``sequence_parallel=True`` (so tensor_model_parallel_size >= 2); refused with "
+                       "``pipeline_schedule=\"zb-h1\"`` and with fp8",
     "micro_batch_size": "``None`` or int >= 1; must divide the per-rank batch size",
     "microbatch_group_size_per_vp_stage": "``None`` or int >= 1; with interleaving it must lie in "
                                           "``[pp, micro-batches per step]``, and the last group must hold 0 or "

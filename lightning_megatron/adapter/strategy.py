@@ -71,6 +71,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             1F1B); build the model with ``lightning_megatron.pipeline.VirtualChunks``.
         order: rank order of the axes, fastest first (seed 001).
         sequence_parallel: shard activations outside tensor-parallel regions along the sequence.
+        tp_comm_overlap: with sequence parallelism, overlap its all-gathers and reduce-scatters with the linear
+            layers' GEMMs (a ring of chunks, ``tensor_parallel/comm_overlap.py``); not with fp8 or ``"zb-h1"``.
         micro_batch_size: samples per micro-batch; the per-rank batch must be a multiple of it.
             ``None`` runs each batch as one micro-batch.
         timeout: process-group timeout; a rank that fails makes its peers fail after this.
@@ -105,7 +107,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
                  virtual_pipeline_model_parallel_size: Optional[int] = None, context_parallel_size: int = 1,
                  expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
                  order: str = DEFAULT_ORDER, sequence_parallel: bool = False,
-                 micro_batch_size: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None, tp_comm_overlap: bool = False,
                  microbatch_group_size_per_vp_stage: Optional[int] = None, pipeline_schedule: str = "1f1b",
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", cuda_graph: Optional[str] = None,
@@ -125,7 +127,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         self.parallel = ParallelConfig(
             tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
             context_parallel_size, expert_model_parallel_size, expert_tensor_parallel_size, order, sequence_parallel,
-            micro_batch_size, microbatch_group_size_per_vp_stage, pipeline_schedule)
+            micro_batch_size, microbatch_group_size_per_vp_stage, pipeline_schedule, tp_comm_overlap)
         self.gradient_config = GradientConfig(overlap_grad_reduce, bucket_size, grad_reduce_in_fp32,
                                               use_distributed_optimizer, overlap_param_gather)
         self.graph_config = CudaGraphConfig(cuda_graph, cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
@@ -159,9 +161,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
     barrier = _DDP.barrier       # on the world group, as Lightning's callbacks expect
     broadcast = _DDP.broadcast
 
-    @property
-    def is_distributed(self) -> bool:   # Lightning then adds a DistributedSampler (by data-parallel rank)
-        return True
+    is_distributed = True   # Lightning then adds a DistributedSampler (by data-parallel rank)
 
     @property
     @override
@@ -210,7 +210,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
         apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size,
-                             self.graph_config.cuda_graph)
+                             self.graph_config.cuda_graph, self.parallel.pipeline_schedule)
         report_pipeline_layout(self.lightning_module, self._state())
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -246,7 +246,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         that rebuilds the model an earlier run of the module trained is refused."""
         module = self.lightning_module
         before = {id(p) for p in module.parameters()} if module is not None else set()
-        with model_defaults(sequence_parallel=self.parallel.sequence_parallel):
+        with model_defaults(**self.parallel.model_defaults()):
             yield
         if module is not None:
             check_model_kept(module, before)

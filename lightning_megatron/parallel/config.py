@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 from .topology import DEFAULT_ORDER, ParallelConfigError, ParallelLayout, check_size
 
@@ -44,6 +44,7 @@ class ParallelConfig:
     micro_batch_size: Optional[int] = None
     microbatch_group_size_per_vp_stage: Optional[int] = None
     pipeline_schedule: str = "1f1b"
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         check_pipeline_schedule(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size or 1)
@@ -67,6 +68,16 @@ class ParallelConfig:
                           "activations over tensor-parallel ranks): turned off. Set tensor_model_parallel_size "
                           ">= 2 to use it.", UserWarning, stacklevel=3)
             object.__setattr__(self, "sequence_parallel", False)
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap=True overlaps sequence parallelism's gathers and reduce-scatters with "
+                             "the GEMMs: it needs sequence_parallel=True and tensor_model_parallel_size >= 2.")
+        if self.tp_comm_overlap and self.pipeline_schedule == "zb-h1":
+            raise ValueError("tp_comm_overlap=True does not combine with pipeline_schedule='zb-h1' yet (its deferred "
+                             "weight gradients); use pipeline_schedule='1f1b' or tp_comm_overlap=False.")
+
+    def model_defaults(self) -> Dict[str, bool]:
+        """What models built in ``configure_model`` take from the strategy (``model_defaults``)."""
+        return dict(sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap)
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The rank grid over ``world_size`` processes (raises, naming the sizes, if they do not divide it)."""

@@ -397,6 +397,11 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
     if isinstance(model, nn.Linear):
         raise ValueError("enable_fp8 converts the layers inside a model in place: pass the module that holds "
                          "this nn.Linear (or use torchao.float8.convert_to_float8_training on it).")
+    overlapped = [name for name, m in model.named_modules() if getattr(m, "comm_overlap", False)
+                  and getattr(m, "sequence_parallel", False)]
+    if overlapped:   # before anything runs: the overlapped linears multiply in high precision only
+        raise ValueError(f"fp8 does not combine with tp_comm_overlap=True yet ({len(overlapped)} overlapped linears, "
+                         f"e.g. {overlapped[0]}): turn one of them off.")
     check_fp8_supported(config)
     if config.compile_layers:
         _check_compile_layers_supported()

@@ -9,7 +9,9 @@ are partial under sequence parallelism carry ``sequence_parallel=True``.
 The linear layers' local matmul (``local_linear``) is ``F.linear``, or the float8 matmul that
 ``lightning_megatron.quantization.float8.enable_fp8`` puts in the layer's ``float8`` attribute (torchao's float8
 training): the tensor-parallel communication around it is the same either way. For the zero-bubble
-pipeline schedule it can defer its weight gradient to a later step (``deferred_wgrad.py``).
+pipeline schedule it can defer its weight gradient to a later step (``deferred_wgrad.py``). With sequence
+parallelism and ``comm_overlap`` the gather/reduce-scatter around the matmul overlaps it (``comm_overlap.py``;
+high-precision matmul only).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .mappings import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, resolve_group, scatter_to_tensor_parallel_region,
 )
+from .comm_overlap import all_gather_linear, linear_reduce_scatter
 from .deferred_wgrad import deferrable_linear
 from .token_ids import check_ids_in_vocab
 from .utils import divide, set_tensor_model_parallel_attributes, vocab_range
@@ -92,6 +95,17 @@ class _TensorParallelLinear(_TensorParallelModule):
     float8: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
     #: the weight gradient may wait for the zero-bubble schedule's W step (``deferred_wgrad.py``)
     defer_weight_grad: bool = False
+    #: sequence-parallel communication overlapped with the matmul (``comm_overlap.py``; set at construction)
+    comm_overlap: bool = False
+
+    def _overlapped(self) -> bool:
+        """Whether this forward takes the overlapped path; float8 and deferred weight gradients refuse it."""
+        if not (self.comm_overlap and self.sequence_parallel):
+            return False
+        if self.float8 is not None or self.defer_weight_grad:
+            raise ValueError("tp_comm_overlap=True does not combine with fp8 or pipeline_schedule='zb-h1' yet; "
+                             "turn one of them off.")
+        return True
 
     def local_linear(self, x: torch.Tensor, weight: torch.Tensor,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -102,6 +116,9 @@ class _TensorParallelLinear(_TensorParallelModule):
         if self.defer_weight_grad and weight is self.weight:
             return deferrable_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def _overlap_repr(self) -> str:
+        return ", comm_overlap=True" if self.comm_overlap and self.sequence_parallel else ""
 
     def _float8_repr(self) -> str:
         return "" if self.float8 is None else f", float8={self.float8}"
@@ -119,8 +136,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
                  init_method: Optional[InitMethod] = None, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False) -> None:
         super().__init__(group)
+        self.comm_overlap = comm_overlap
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True; keep the output split and use a RowParallelLinear.")
@@ -146,6 +164,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         group = self.group
+        if self._overlapped():
+            out = all_gather_linear(x, self.weight, None if self.skip_bias_add else self.bias, group)
+            return (out, self.bias) if self.skip_bias_add else out
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
         else:
@@ -158,7 +179,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}{self._float8_repr()}")
+                f"sequence_parallel={self.sequence_parallel}{self._overlap_repr()}{self._float8_repr()}")
 
 
 class RowParallelLinear(_TensorParallelLinear):
@@ -172,8 +193,9 @@ class RowParallelLinear(_TensorParallelLinear):
                  init_method: Optional[InitMethod] = None, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False) -> None:
         super().__init__(group)
+        self.comm_overlap = comm_overlap
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
                              "(its input comes split from a ColumnParallelLinear).")
@@ -198,11 +220,12 @@ class RowParallelLinear(_TensorParallelLinear):
         group = self.group
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, group)
-        out = self.local_linear(x, self.weight)
-        if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out, group)
+        if self._overlapped():
+            out = linear_reduce_scatter(x, self.weight, group)
+        elif self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(self.local_linear(x, self.weight), group)
         else:
-            out = reduce_from_tensor_parallel_region(out, group)
+            out = reduce_from_tensor_parallel_region(self.local_linear(x, self.weight), group)
         if self.skip_bias_add:
             return out, self.bias
         return out if self.bias is None else out + self.bias
@@ -210,7 +233,7 @@ class RowParallelLinear(_TensorParallelLinear):
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (per rank {self.input_size_per_partition}), out={self.output_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}{self._float8_repr()}")
+                f"sequence_parallel={self.sequence_parallel}{self._overlap_repr()}{self._float8_repr()}")
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

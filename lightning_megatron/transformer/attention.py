@@ -34,6 +34,7 @@ from torch import nn
 
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, init_method_normal
+from ..tensor_parallel.comm_overlap import all_gather_linear
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
@@ -77,7 +78,8 @@ class SelfAttention(nn.Module):
         width = config.num_attention_heads * config.head_dim
         column: Dict[str, Any] = dict(
             bias=config.qkv_bias, init_method=init_method_normal(config.init_method_std),
-            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+            comm_overlap=config.tp_comm_overlap)
         groups = config.query_groups
         if config.grouped_query_attention:
             self.q = ColumnParallelLinear(config.hidden_size, width, **column)
@@ -90,7 +92,8 @@ class SelfAttention(nn.Module):
         self.proj = RowParallelLinear(
             width, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=init_method_normal(config.output_layer_init_std),
-            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+            sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+            comm_overlap=config.tp_comm_overlap)
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling)
                        if config.position_embedding_type == "rope" else None)
         self.q_norm: Optional[nn.Module] = None
@@ -109,12 +112,6 @@ class SelfAttention(nn.Module):
             s, b = mixed.shape[0], mixed.shape[1]
             return mixed.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
         group = self.q.group
-        if self.q.sequence_parallel:
-            x = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tensor_parallel_region(hidden, group)
-        # the layers' own matmul (F.linear, or float8 where enabled) on the shared input copy
-        q = _local_linear(self.q, x, self.q.weight, self.q.bias)
         weight: torch.Tensor = self.kv.weight
         bias: Optional[torch.Tensor] = self.kv.bias
         if self.kv_sharing_ranks > 1:   # all-gather the small kv weight, keep this rank's group (see the docstring)
@@ -123,7 +120,18 @@ class SelfAttention(nn.Module):
             weight = gather_from_sequence_parallel_region(weight, group)[first:first + rows]
             if bias is not None:
                 bias = gather_from_sequence_parallel_region(bias, group)[first:first + rows]
-        kv = _local_linear(self.kv, x, weight, bias)
+        if self.q._overlapped():   # one overlapped gather-and-matmul for queries, keys and values
+            both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
+            mixed = all_gather_linear(hidden, torch.cat([self.q.weight, weight]), both, group)
+            q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
+        else:
+            if self.q.sequence_parallel:
+                x = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=True)
+            else:
+                x = copy_to_tensor_parallel_region(hidden, group)
+            # the layers' own matmul (F.linear, or float8 where enabled) on the shared input copy
+            q = _local_linear(self.q, x, self.q.weight, self.q.bias)
+            kv = _local_linear(self.kv, x, weight, bias)
         s, b = q.shape[0], q.shape[1]
         q = q.view(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
         k, v = kv.view(s, b, self.kv_heads_per_rank, 2, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)

@@ -74,6 +74,7 @@ class TransformerConfig:
     init_seed: int = 1234
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False                  # sequence-parallel gathers/reduce-scatters overlap the GEMMs
     recompute_layers: bool = False                 # activation checkpointing per layer
     moe: Optional[Any] = None                      # a moe.MoEConfig: MLPs become mixture-of-experts layers
     moe_layer_freq: int = 1                        # every k-th layer (1-based: layers 1, 1+k, ...) is MoE
@@ -285,9 +286,9 @@ _MODEL_DEFAULTS: ContextVar[Dict[str, Any]] = ContextVar("lightning_megatron_mod
 def model_defaults(**fields: Any) -> Iterator[None]:
     """Config fields that models built inside this block take unless their config sets them (the strategy
     wraps ``configure_model`` in it: users set ``sequence_parallel`` once, on ``MegatronStrategy``)."""
-    unknown = set(fields) - {"sequence_parallel"}
+    unknown = set(fields) - {"sequence_parallel", "tp_comm_overlap"}
     if unknown:
-        raise ValueError(f"model_defaults takes sequence_parallel only, not {sorted(unknown)}.")
+        raise ValueError(f"model_defaults takes sequence_parallel and tp_comm_overlap only, not {sorted(unknown)}.")
     token = _MODEL_DEFAULTS.set({**_MODEL_DEFAULTS.get(), **fields})
     try:
         yield
@@ -296,8 +297,8 @@ def model_defaults(**fields: Any) -> Iterator[None]:
 
 
 def with_strategy_defaults(config: TransformerConfig) -> TransformerConfig:
-    """``config`` with the strategy's ``sequence_parallel=True`` applied, if the model is built under
-    :func:`model_defaults` that asks for it."""
-    if _MODEL_DEFAULTS.get().get("sequence_parallel") and not config.sequence_parallel:
-        return dataclasses.replace(config, sequence_parallel=True)
-    return config
+    """``config`` with the strategy's ``sequence_parallel=True`` and ``tp_comm_overlap=True`` applied, if the model
+    is built under :func:`model_defaults` that asks for them."""
+    asked: Dict[str, Any] = {name: True for name, value in _MODEL_DEFAULTS.get().items()
+                             if value and not getattr(config, name)}
+    return dataclasses.replace(config, **asked) if asked else config

@@ -52,12 +52,18 @@ DENSE = {
                                   cuda_graph_backend="eager")),
     "dp2pp2-distopt-gather": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                                       use_distributed_optimizer=True, overlap_param_gather=True)),
+    # sequence-parallel communication overlapped with the GEMMs (a ring of chunks)
+    "tp2sp-commoverlap": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)),
+    "tp2pp2sp-distopt-commoverlap": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                             sequence_parallel=True, tp_comm_overlap=True, micro_batch_size=2,
+                                             use_distributed_optimizer=True, overlap_grad_reduce=True)),
 }
 # compiled layers (traced by dynamo and AOTAutograd; the eager backend runs the traced graphs: inductor's own
 # numbers are tests/unit/transformer/test_compile.py's)
 TRACED = dict(compile_layers=dict(backend="aot_eager"))
 DENSE.update({f"{name}-compiled": (DENSE[name][0], dict(DENSE[name][1], **TRACED)) for name in (
-    "tp2sp", "cp2", "pp2vpp2", "dp2pp2-distopt-gather", "pp2-partial-graphs", "dp2tp2-full-graph")})
+    "tp2sp", "cp2", "pp2vpp2", "dp2pp2-distopt-gather", "pp2-partial-graphs", "dp2tp2-full-graph",
+    "tp2sp-commoverlap")})
 
 
 @pytest.fixture(scope="module")
