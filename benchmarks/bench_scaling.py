@@ -198,7 +198,10 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                                 expert_model_parallel_size=layout.ep, sequence_parallel=layout.sp,
                                 micro_batch_size=layout.micro_batch, pipeline_schedule=layout.schedule,
                                 use_distributed_optimizer=layout.distopt,
-                                overlap_grad_reduce=layout.distopt, overlap_param_gather=layout.distopt)
+                                overlap_grad_reduce=layout.distopt, overlap_param_gather=layout.distopt,
+                                # BENCH_SCALING_COMPILE=0/1: compile_layers False/True (default "auto")
+                                compile_layers={"0": False, "1": True}.get(os.environ.get("BENCH_SCALING_COMPILE", ""),
+                                                                           "auto"))
     torch.manual_seed(0)
     steps = WARMUP + STEPS + PROFILED
     per_rank = layout.global_batch // layout.dp
