@@ -16,7 +16,8 @@ it off) is gone (SIGKILL, the out-of-memory killer, a frozen host): its own fail
 torchrun its peers, blocked in a collective, ignore the SIGTERM that would end them (Lightning's handler waits for
 the main thread), so they would wait 30 s for the SIGKILL, or for the process-group timeout. The judges say so at
 once, with the same verdict path. The publisher is a thread of its own, so a busy or blocked main thread does not
-look dead.
+look dead. Once this process has been sent SIGTERM (``distributed/sigterm.py``: torchrun sends it when a worker
+died) a peer silent for ``AFTER_SIGTERM_DEAD_S`` is gone: the launcher is ending the run already.
 
 Not judged: the setup before every rank has started its first step (checkpoint loading, model construction), and
 nothing after a rank's watch stopped. Legitimately slow work that moves neither heartbeat nor Python location for
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from ..parallel.heartbeat import HEARTBEAT, Heartbeat, describe
 from .hang_report import dead_rank_message, hang_message, is_stuck
+from .sigterm import SIGTERM_SEEN
 
 __all__ = ["HangWatch", "HANG_TIMEOUT_ENV", "DEFAULT_HANG_TIMEOUT_S", "DEAD_RANK_ENV", "HEARTBEAT_PREFIX"]
 
@@ -46,6 +48,7 @@ HANG_TIMEOUT_ENV = "LIGHTNING_MEGATRON_HANG_TIMEOUT_S"
 DEFAULT_HANG_TIMEOUT_S = 300.0
 DEAD_RANK_ENV = "LIGHTNING_MEGATRON_DEAD_RANK_S"
 DEFAULT_DEAD_RANK_S = 10.0
+AFTER_SIGTERM_DEAD_S = 3.0   # a peer this long silent is gone once the launcher sent this process SIGTERM
 HEARTBEAT_PREFIX = "lightning_megatron/heartbeat"
 
 
@@ -58,13 +61,13 @@ class HangWatch:
 
     def __init__(self, timeout_s: Optional[float] = None, on_hang: Callable[[str], None] = _say,
                  poll_s: Optional[float] = None, heartbeat: Heartbeat = HEARTBEAT,
-                 dead_after_s: Optional[float] = None) -> None:
+                 dead_after_s: Optional[float] = None, sigterm_seen: Callable[[], bool] = SIGTERM_SEEN.seen) -> None:
         self.timeout_s = float(os.environ.get(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT_S)) if timeout_s is None \
             else float(timeout_s)
         self.dead_after_s = float(os.environ.get(DEAD_RANK_ENV, DEFAULT_DEAD_RANK_S)) if dead_after_s is None \
             else float(dead_after_s)
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(self.timeout_s / 4, 0.05))
-        self.on_hang, self.heartbeat = on_hang, heartbeat
+        self.on_hang, self.heartbeat, self.sigterm_seen = on_hang, heartbeat, sigterm_seen
         self.fired = threading.Event()   # a verdict reached this rank
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -80,6 +83,7 @@ class HangWatch:
         store = _own_store_client()
         if store is None:
             return self
+        SIGTERM_SEEN.install()   # here, on the main thread
         rank, world = dist.get_rank(), dist.get_world_size()
         try:   # every rank adds 1 per run: the runs of one process and its peers number alike
             run = (int(store.add(f"{HEARTBEAT_PREFIX}/starts", 1)) - 1) // world
@@ -134,10 +138,13 @@ class HangWatch:
                 for r, rec in records.items():
                     if heard.get(r, (None,))[0] != rec["published"]:
                         heard[r] = (rec["published"], now)
+                terminated = self.dead_after_s > 0 and self.sigterm_seen()
+                dead_after = min(self.dead_after_s, AFTER_SIGTERM_DEAD_S) if terminated else self.dead_after_s
                 silent = sorted(r for r, rec in records.items() if not rec["finished"] and r != rank
-                                and now - heard[r][1] >= self.dead_after_s > 0)
+                                and now - heard[r][1] >= dead_after > 0)
                 if silent:
-                    self._fire(store.compare_set(verdict, "", dead_rank_message(silent, records, self.dead_after_s)))
+                    message = dead_rank_message(silent, records, dead_after, after_sigterm=terminated)
+                    self._fire(store.compare_set(verdict, "", message))
                     return
                 for r, rec in records.items():
                     signature = (rec["ticks"], rec["python"], rec["finished"])

@@ -104,11 +104,14 @@ def hang_message(records: Mapping[int, Record], quiet_s: float, setting: str) ->
             f"{head}:\n{body}")
 
 
-def dead_rank_message(silent: List[int], records: Mapping[int, Record], dead_after_s: float) -> str:
+def dead_rank_message(silent: List[int], records: Mapping[int, Record], dead_after_s: float,
+                      after_sigterm: bool = False) -> str:
     """The verdict for ranks whose watcher stopped publishing: their processes are gone (or frozen whole)."""
     ranks = ", ".join(map(str, silent))
+    why = ("after this process was sent SIGTERM: the launcher is ending the run" if after_sigterm
+           else f"{DEAD_RANK_SETTING}={dead_after_s:g}")
     lines = [f"lightning_megatron: rank{'s' if len(silent) > 1 else ''} {ranks} stopped answering for "
-             f"{dead_after_s:g} s ({DEAD_RANK_SETTING}={dead_after_s:g}): the process ended without a word (killed, "
-             f"out of memory?) or froze; every rank ends."]
+             f"{dead_after_s:g} s ({why}): the process ended without a word (killed, out of memory?) or froze; "
+             f"every rank ends."]
     lines += [f"  rank {r}: last seen {records[r]['where']}" for r in silent]
     return "\n".join(lines)

@@ -146,6 +146,59 @@ def test_a_rank_whose_watcher_stopped_answering_is_called_gone_on_every_other_ra
     assert said1 == []                     # the silent rank's own watcher is gone
 
 
+def _sigterm_while_blocked_then_a_peer_goes_silent():
+    """Rank 0's main thread blocks in a collective rank 1 joins 4 s later; a thread sends rank 0 SIGTERM meanwhile.
+    Then rank 1's watcher goes silent: with SIGTERM seen, rank 0 calls it gone after 3 s, not the 30 s set."""
+    import signal
+    import threading
+
+    from lightning_megatron.distributed.sigterm import SigtermSeen
+
+    rank, said, handled, seen_at = dist.get_rank(), [], [], []
+    seen = SigtermSeen()
+    if rank == 0:
+        signal.signal(signal.SIGTERM, lambda *args: handled.append(time.monotonic()))   # as Lightning's handler
+        assert seen.install()
+
+        def terminate_and_look():
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and not seen.seen():
+                time.sleep(0.05)
+            seen_at.append((seen.seen(), list(handled)))
+        threading.Thread(target=terminate_and_look, daemon=True).start()
+    else:
+        time.sleep(4)
+    dist.barrier()                          # rank 0 waits here, in C++, while the signal arrives
+    watch = HangWatch(timeout_s=60.0, on_hang=said.append, poll_s=0.1, dead_after_s=30.0,
+                      sigterm_seen=seen.seen).start()
+    HEARTBEAT.begin("training batch")
+    time.sleep(1.0)
+    dist.barrier()
+    if rank == 1:
+        watch._record = lambda *args, **kwargs: (_ for _ in ()).throw(OSError("killed"))
+    silent_from = time.monotonic()
+    deadline = silent_from + 12
+    while not said and time.monotonic() < deadline:
+        time.sleep(0.1)
+    took = time.monotonic() - silent_from
+    watch.stop()
+    dist.barrier()
+    return said, seen_at, bool(handled), took
+
+
+def test_after_sigterm_a_silent_peer_is_called_gone_within_seconds():
+    (said0, seen_at, handled, took), (said1, _, _, _) = run_on_ranks(
+        _sigterm_while_blocked_then_a_peer_goes_silent, 2, timeout=90)
+    # seen from another thread while the main thread was still blocked (its Python handler had not run yet)
+    assert seen_at == [(True, [])], seen_at
+    assert handled                          # and the handler ran once the collective returned
+    assert len(said0) == 1 and "rank 1 stopped answering for 3 s (after this process was sent SIGTERM" in said0[0]
+    assert took < 8, took                   # not the 30 s of dead_after_s
+    assert said1 == []
+
+
 def _watch_started():
     watch = HangWatch(timeout_s=1.0).start()
     return watch._thread is not None
