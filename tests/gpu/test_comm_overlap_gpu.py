@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.testing import run_on_ranks
+from helpers.token_steps import adamw_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -28,18 +29,7 @@ def _train(overlap, steps, tp, compiled):
     model = LlamaModel(cfg, 1024, 128).cuda()
     if compiled:
         compile_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    losses, grads = [], None
-    for step in range(steps):
-        ids = torch.randint(0, 1024, (4, 128), generator=gen).cuda()
-        loss = model(ids, labels=ids).float().mean()
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, grads = adamw_steps(model, steps)
     state.destroy()
     return losses, grads
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_megatron.testing import run_on_ranks
+from helpers.token_steps import adamw_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -31,18 +32,7 @@ def _train(compiled, dtype, steps, tp=1, sp=False, dropout=0.0):
     model = _llama(dtype, sequence_parallel=sp, hidden_dropout=dropout, attention_dropout=dropout)
     if compiled:
         compile_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    losses, grads = [], None
-    for step in range(steps):
-        ids = torch.randint(0, 1024, (4, 128), generator=gen).cuda()
-        loss = model(ids, labels=ids).float().mean()   # learnable: each token predicts itself
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, grads = adamw_steps(model, steps)
     state.destroy()
     return losses, grads
 
