@@ -76,7 +76,15 @@ def pytest_configure(config):
                             f"the GPU device machine, set {ALLOW_MISSING}=1; CI must not.)")
 
 
+# the files that take minutes each, run first: with two workers taking a file at a time (addopts), the longest
+# starting last would leave one worker idle at the end
+LONG_FILES_FIRST = ("tests/meta/test_mutations.py", "tests/integration/recipes/test_cli.py",
+                    "tests/integration/recipes/test_smoke.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))   # stable: the rest as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
