@@ -212,6 +212,16 @@ def fit_and_record(strategy_kwargs, module_kwargs=None, max_steps=3, **kwargs):
     return out
 
 
+def assert_same_run(out, reference):
+    """Every rank's run (``fit_and_record`` results) equals the one-process ``reference``: rank 0's parameter updates
+    and every rank's losses."""
+    import pytest
+
+    assert_same_updates(out[0]["params"], reference["params"])
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+
+
 def assert_same_updates(got, ref, rtol=1e-5, atol=1e-6):
     """Parameters after every step equal the single process's (so every gradient and update did)."""
     assert len(got) == len(ref)
