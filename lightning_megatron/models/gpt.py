@@ -77,6 +77,11 @@ class GPTModel(nn.Module):
         if fused_cross_entropy is False and cross_entropy_chunk_size is not None:
             raise ValueError(f"GPTModel cross_entropy_chunk_size={cross_entropy_chunk_size} fuses the loss with the "
                              f"output layer, fused_cross_entropy=False asks for the unfused loss: drop one of them.")
+        if config.final_logit_softcapping is not None and (cross_entropy_chunk_size is not None or fused_cross_entropy):
+            raise ValueError(f"GPTModel with TransformerConfig.final_logit_softcapping={config.final_logit_softcapping}: "
+                             f"the fused losses (cross_entropy_chunk_size, fused_cross_entropy=True) take the output "
+                             f"layer's logits as they are; leave both unset (the loss then follows the soft-capped "
+                             f"logits).")
         self.cross_entropy_chunk_size = cross_entropy_chunk_size
         self.fused_cross_entropy = fused_cross_entropy
         self.pre_process, self.post_process = chunk_position(vp_rank)
@@ -119,13 +124,16 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
+        capping = self.config.final_logit_softcapping
         fused = self.cross_entropy_chunk_size is not None or self.fused_cross_entropy or (
-            self.fused_cross_entropy is None and fused_kernels_run(hidden))
+            self.fused_cross_entropy is None and capping is None and fused_kernels_run(hidden))
         if labels is not None and fused:   # the loss fused with the output layer (chunked: logits never whole)
             return parallel_linear_cross_entropy(
                 hidden, weight, labels.t(), self.config.sequence_parallel, label_smoothing=self.label_smoothing,
                 vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size).t()
         logits = parallel_logits(hidden, weight, self.config.sequence_parallel)          # [s, b, V/tp]
+        if capping is not None:   # Gemma 2: elementwise, so each tp rank caps its own vocabulary slice
+            logits = torch.tanh(logits / capping) * capping
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), label_smoothing=self.label_smoothing,

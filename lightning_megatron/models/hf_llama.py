@@ -1,5 +1,5 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 / Gemma checkpoints in and out of a
-``LlamaModel`` at any TP/PP/EP layout.
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Phi-3 / Gemma / Gemma 2 / OLMo-2
+checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
 rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding-window layers
@@ -11,7 +11,12 @@ a Qwen3 whose every MLP is a mixture of experts (router ``mlp.gate``, experts ``
 down_proj``; ``norm_topk_prob=false`` keeps the top-k of a softmax over all experts: ``pre_softmax=True``).
 Qwen2-MoE is a Qwen2 (q/k/v biases, unless ``qkv_bias=false``) whose MLPs are Qwen3-MoE's experts plus a shared
 expert (``mlp.shared_expert``, our ``shared_experts``) gated per token by ``sigmoid(mlp.shared_expert_gate(x))``
-(``MoEConfig.shared_expert_gate``).
+(``MoEConfig.shared_expert_gate``). Gemma 2 is a Gemma whose layers norm before and after each sub-block
+(``layernorm_order="sandwich"``: ``input_layernorm``, ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+``post_feedforward_layernorm``), soft-caps its attention scores and output logits, scales the scores by
+``query_pre_attn_scalar ** -0.5`` and windows the layers ``layer_types`` marks ``sliding_attention``. OLMo-2 is a
+Llama whose norms sit on each sub-block's output only (``"post_sublayer"``) and whose q/k RMSNorms span all heads
+(``qk_layernorm_across_heads``: weights of ``heads * head_dim``, read whole by every tp rank).
 
 Balancing loss of the MoE families: transformers adds ``router_aux_loss_coef`` times its ``load_balancing_loss_func``
 (pooled over all layers' router logits) to the training loss only with ``output_router_logits=true``. The import
@@ -51,239 +56,26 @@ from ..parallel import get_parallel_state
 from ..tensor_parallel.mappings import gather_along_dim
 from ..transformer import TransformerConfig
 from .gpt import GPTModel
-from .llama import LLAMA_DEFAULTS, LlamaModel
+from .llama import LlamaModel
+from .hf_config import (  # noqa: F401  (the configuration's names, public here as before)
+    ARCHITECTURES, FUSED_FAMILIES, GEMMA_ACTIVATION, GEMMA_FAMILIES, MOE_FAMILIES, MOE_NAMES, QK_NORM_FAMILIES,
+    QKV_BIAS_FAMILIES, QWEN_MOE_FAMILIES, SHARED_EXPERT, WINDOWED_FAMILIES, _fused, _moe_family, config_from_hf,
+    hf_config_of, model_kwargs_from_hf, read_hf_config,
+)
 from .sharding import full_of, global_names
 
 if TYPE_CHECKING:
     from ..moe.experts import GroupedMLP
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
-QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")   # biases on q/k/v only (Qwen2Attention; qwen2_moe: its qkv_bias)
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")   # RMSNorm over each head's queries and keys (q_norm / k_norm)
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
-QWEN_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")   # softmax over every expert, top-k renormalised with norm_topk_prob
-# where each MoE family keeps a layer's router and experts, and its names of an expert's gate, up and down projections
-MOE_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
-             "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-             "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
-SHARED_EXPERT = "mlp.shared_expert."   # Qwen2-MoE's shared expert (gate/up/down_proj) and its gate
-WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
-GEMMA_FAMILIES = ("gemma",)      # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(hidden_size)
-GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 Segments = List[Tuple[Optional[str], int, int]]   # (HF name or None for zeros, first row, end row)
+# a layer's norms (ours -> Hugging Face's) by TransformerConfig.layernorm_order: Llama's second norm is before the MLP
+_LAYER_NORMS: Dict[str, Dict[str, str]] = {
+    "pre": {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "sandwich": {"attention_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
+    "post_sublayer": {"attention_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
+}
 
-
-# -- configuration -----------------------------------------------------------------------------------
-
-
-def read_hf_config(source: Union[str, os.PathLike, dict, Any]) -> dict:
-    """``config.json`` of a directory, a dict, or a ``transformers`` config object, as a dict."""
-    if isinstance(source, dict):
-        return dict(source)
-    if hasattr(source, "to_dict"):
-        return source.to_dict()
-    file = os.path.join(os.fspath(source), "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: pass a Hugging Face Llama/Mistral/Mixtral directory "
-                                f"(config.json + safetensors).")
-    with open(file) as f:
-        return json.load(f)
-
-
-def _rope(hf: dict) -> Tuple[float, Optional[dict]]:
-    """(rope base, rope_scaling or None) from ``rope_parameters`` (transformers 5) or the older
-    ``rope_theta`` / ``rope_scaling`` keys."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    base = params.get("rope_theta", hf.get("rope_theta")) or 10000.0
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return float(base), None
-    params["rope_type"] = kind
-    if kind in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-    if kind == "yarn" and params.get("factor") is None:   # transformers: the context's growth
-        params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
-    return float(base), params
-
-
-def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any) -> TransformerConfig:
-    """The ``TransformerConfig`` of a Hugging Face Llama, Mistral or Mixtral config (directory, dict or
-    ``transformers`` config); ``overrides`` replace any field (e.g. ``params_dtype``, ``recompute_layers``)."""
-    hf = read_hf_config(source)
-    model_type = hf.get("model_type", "llama")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type={model_type!r} in config.json is not supported; known: {sorted(ARCHITECTURES)}.")
-    gemma = model_type in GEMMA_FAMILIES
-    act = (hf.get("hidden_activation") or hf.get("hidden_act") or GEMMA_ACTIVATION) if gemma else hf.get(
-        "hidden_act", "silu")
-    if gemma and act == "gelu":   # the official releases' legacy value, meant (and read by transformers) as tanh
-        act = GEMMA_ACTIVATION
-    if gemma and act != GEMMA_ACTIVATION:
-        raise ValueError(f"hidden_act={act!r} in config.json is not supported for Gemma: its GeGLU MLP is "
-                         f"{GEMMA_ACTIVATION!r} (tanh-approximated GELU) here.")
-    if not gemma and act != "silu":
-        raise ValueError(f"hidden_act={act!r} in config.json is not supported: Llama-family MLPs are SwiGLU (silu).")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ValueError(f"{key}=true in config.json is not supported (Llama-family layers have no biases).")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
-        raise ValueError(f"use_sliding_window=true in config.json ({model_type} sliding-window layers from "
-                         f"max_window_layers on) is not supported; import with use_sliding_window=false.")
-    rope_params = hf.get("rope_parameters") or {}
-    if (rope_params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 in config.json is not supported for Llama-family models.")
-    base, scaling = _rope(hf)
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    kv_heads = hf.get("num_key_value_heads") or heads
-    fields = dict(
-        LLAMA_DEFAULTS, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=heads, num_query_groups=kv_heads if kv_heads != heads else None,
-        kv_channels=head_dim if head_dim * heads != hf["hidden_size"] else None,
-        ffn_hidden_size=hf["intermediate_size"], layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        attention_dropout=hf.get("attention_dropout", 0.0) or 0.0, init_method_std=hf.get("initializer_range", 0.02),
-        rotary_base=base, rope_scaling=scaling,
-        sliding_window=hf.get("sliding_window") if model_type in WINDOWED_FAMILIES else None,
-        add_qkv_bias=True if model_type in QKV_BIAS_FAMILIES and hf.get("qkv_bias", True) else None,
-        qk_layernorm=model_type in QK_NORM_FAMILIES,
-    )
-    if gemma:
-        fields.update(activation="geglu", layernorm_zero_centered_gamma=True,
-                      embedding_multiplier=float(hf["hidden_size"]) ** 0.5)
-    if model_type in QWEN_MOE_FAMILIES and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
-        raise ValueError(f"decoder_sparse_step={hf.get('decoder_sparse_step')} / mlp_only_layers="
-                         f"{hf.get('mlp_only_layers')} in config.json (dense MLPs between the sparse ones) are not "
-                         f"supported; every layer must be a mixture of experts (1 / []).")
-    if model_type in MOE_FAMILIES:
-        from ..moe import MoEConfig
-
-        qwen = model_type in QWEN_MOE_FAMILIES
-        shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
-        if model_type == "qwen2_moe" and not shared:
-            raise ValueError(f"shared_expert_intermediate_size={shared} in config.json is not supported: Qwen2-MoE "
-                             f"layers here have a shared expert of positive width.")
-        fields["moe"] = MoEConfig(
-            hidden_size=hf["hidden_size"], ffn_hidden_size=hf["moe_intermediate_size" if qwen else "intermediate_size"],
-            # Qwen's releases say num_experts; transformers 5 writes num_local_experts for both families
-            num_experts=hf.get("num_experts") or hf["num_local_experts"], topk=hf["num_experts_per_tok"],
-            activation="swiglu", score_function="softmax",
-            # top-k probabilities renormalised (Mixtral always, Qwen3-MoE with norm_topk_prob) = softmax over the
-            # top-k logits; without: softmax over every expert, top-k kept as they are
-            pre_softmax=qwen and not hf.get("norm_topk_prob", False), capacity_factor=None,
-            shared_expert_ffn_hidden_size=shared, shared_expert_gate=bool(shared),
-            # transformers' own loss, added only when it returns the router logits (see the module doc)
-            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0) if hf.get("output_router_logits") else 0.0,
-            aux_loss_type="hf_pooled")
-        fields["moe_layer_freq"] = 1
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-def model_kwargs_from_hf(source: Union[str, os.PathLike, dict, Any]) -> Dict[str, Any]:
-    """``LlamaModel`` arguments besides the config: vocabulary, maximum length, tied embeddings."""
-    hf = read_hf_config(source)
-    return dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 2048),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                 base: Optional[dict] = None) -> dict:
-    """A Hugging Face ``config.json`` dict describing ``model`` (any chunk of it): ``base`` (the imported
-    config, if any) with every structural key replaced by the model's own."""
-    c = model.config
-    if model_type is None:
-        model_type = (base or {}).get("model_type") or ("mixtral" if c.moe is not None else None) or (
-            "gemma" if c.layernorm_zero_centered_gamma else "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias
-            else "mistral" if c.sliding_window else "llama")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}.")
-    if (c.qkv_bias != (model_type in QKV_BIAS_FAMILIES) and not (model_type == "qwen2_moe" and not c.qkv_bias)) \
-            or c.add_bias_linear:
-        described = "with" if model_type in QKV_BIAS_FAMILIES else "without"
-        raise ValueError(f"model_type={model_type!r} describes a model {described} query/key/value biases and no "
-                         f"other biases, but this model has add_qkv_bias="
-                         f"{c.qkv_bias}, add_bias_linear={c.add_bias_linear}; use model_type='qwen2' for q/k/v "
-                         f"biases or 'llama'/'mistral'/'mixtral'/'qwen3' for none.")
-    if model_type in QWEN_MOE_FAMILIES and _moe_family(model) != model_type:
-        raise ValueError(f"model_type={model_type!r} export needs a model imported from a {model_type} checkpoint (its "
-                         f"expert names); export this one as 'mixtral'.")
-    gated_shared = c.moe is not None and bool(c.moe.shared_expert_ffn_hidden_size) and c.moe.shared_expert_gate
-    if c.moe is not None and (model_type == "qwen2_moe") != gated_shared:
-        raise ValueError(f"model_type={model_type!r}: Qwen2-MoE (and only it) has a shared expert with a sigmoid gate, "
-                         f"but this model has shared_expert_ffn_hidden_size={c.moe.shared_expert_ffn_hidden_size}, "
-                         f"shared_expert_gate={c.moe.shared_expert_gate}.")
-    if model_type in FUSED_FAMILIES and (not _fused(model) or c.query_groups != c.num_attention_heads):
-        raise ValueError(f"model_type={model_type!r} export needs a model imported from a {model_type} checkpoint "
-                         f"(its fused qkv_proj/gate_up_proj layout) with as many key/value heads as query heads; "
-                         f"this one has {c.query_groups} of {c.num_attention_heads}: export as 'llama' instead.")
-    if c.qk_layernorm != (model_type in QK_NORM_FAMILIES):
-        raise ValueError(f"model_type={model_type!r} {'has' if model_type in QK_NORM_FAMILIES else 'has no'} query/key "
-                         f"norms, but this model has qk_layernorm={c.qk_layernorm}; use model_type='qwen3' for "
-                         f"query/key norms or another family for none.")
-    gemma = (c.activation, c.layernorm_zero_centered_gamma, c.embedding_multiplier) == (
-        "geglu", True, float(c.hidden_size) ** 0.5)
-    if gemma != (model_type in GEMMA_FAMILIES) or (not gemma and (
-            c.activation != "swiglu" or c.layernorm_zero_centered_gamma or c.embedding_multiplier != 1.0)):
-        raise ValueError(f"model_type={model_type!r} describes a model with "
-                         f"{'a GeGLU MLP, norms scaling by 1 + weight and embeddings times sqrt(hidden_size)' if model_type in GEMMA_FAMILIES else 'a SwiGLU MLP, plain norms and unscaled embeddings'}, "
-                         f"but this model has activation={c.activation!r}, layernorm_zero_centered_gamma="
-                         f"{c.layernorm_zero_centered_gamma}, embedding_multiplier={c.embedding_multiplier}; "
-                         f"{'export as gemma' if gemma else 'no Hugging Face family here matches it'}.")
-    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
-    if c.rope_scaling is not None:
-        rope.update(c.rope_scaling)
-    out = dict(base or {})
-    for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"):
-        out.pop(stale, None)
-    out.update({
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": model.vocab_size,
-        "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.query_groups,
-        "head_dim": c.head_dim, "hidden_act": GEMMA_ACTIVATION if gemma else "silu", "rms_norm_eps": c.layernorm_epsilon,
-        "max_position_embeddings": model.max_sequence_length,
-        "rope_parameters": rope, "rope_theta": c.rotary_base, "initializer_range": c.init_method_std,
-        "attention_dropout": c.attention_dropout,
-        "tie_word_embeddings": bool(model.tie_word_embeddings),
-        "dtype": str(dtype or c.params_dtype).replace("torch.", ""),
-    })
-    if c.rope_scaling is not None:   # transformers 4.x reads this key (5.x reads either; they agree)
-        out["rope_scaling"] = dict(c.rope_scaling)
-    if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    elif model_type == "gemma":
-        if c.sliding_window:
-            raise ValueError("model_type='gemma' has no sliding window; export with sliding_window=None.")
-        out.update(attention_bias=False)
-        out.pop("hidden_activation", None)   # older configs' key for the same activation
-    elif model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-        if c.sliding_window:
-            raise ValueError(f"model_type={model_type!r} export of a model with sliding_window is not supported (its "
-                             f"window applies from max_window_layers on); export with sliding_window=None.")
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
-        if model_type in ("qwen3", "qwen3_moe"):
-            out.update(attention_bias=False)
-    else:
-        out["sliding_window"] = c.sliding_window
-    if model_type in MOE_FAMILIES and c.moe is None:
-        raise ValueError(f"model_type={model_type!r} describes a mixture-of-experts model, but this model has no "
-                         f"TransformerConfig.moe; use model_type='llama' or 'mistral'.")
-    if model_type not in MOE_FAMILIES and c.moe is not None:
-        raise ValueError(f"model_type={model_type!r} has no mixture-of-experts layers, but this model has "
-                         f"TransformerConfig.moe; use model_type='mixtral' (or 'qwen3_moe' for an imported one).")
-    moe = c.moe
-    if model_type == "mixtral":
-        assert moe is not None   # refused above
-        out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk, intermediate_size=moe.ffn_hidden_size)
-    elif model_type in QWEN_MOE_FAMILIES:
-        assert moe is not None   # refused above
-        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, moe_intermediate_size=moe.ffn_hidden_size,
-                   norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, mlp_only_layers=[])
-        if model_type == "qwen2_moe":
-            out.update(shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size, qkv_bias=bool(c.qkv_bias))
-    return out
 
 
 # -- reading slices ----------------------------------------------------------------------------------
@@ -352,13 +144,15 @@ def expected_hf_shapes(model: GPTModel, reader: Optional[SafetensorsSlices] = No
             shapes.update({p + "self_attn.q_proj.weight": (heads * d, h),
                            p + "self_attn.k_proj.weight": (groups * d, h),
                            p + "self_attn.v_proj.weight": (groups * d, h)})
-        shapes.update({p + "self_attn.o_proj.weight": (h, heads * d),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * d)
+        shapes.update({p + norm + ".weight": (h,) for norm in _LAYER_NORMS.get(c.layernorm_order, {}).values()})
         if c.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (groups * d,),
                            p + "self_attn.v_proj.bias": (groups * d,)})
-        if c.qk_layernorm:
-            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if c.qk_layernorm:   # one weight of d shared by the heads, or (across heads) d per head
+            across = c.qk_layernorm_across_heads
+            shapes.update({p + "self_attn.q_norm.weight": (heads * d if across else d,),
+                           p + "self_attn.k_norm.weight": (groups * d if across else d,)})
         if c.is_moe_layer(i + 1):
             m = c.moe
             assert m is not None   # is_moe_layer
@@ -412,14 +206,15 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
         return [(f"{attn}q_proj.{kind}", 0, heads * d)], 0
     if rest in ("attention.kv.weight", "attention.kv.bias"):   # group by group: [k_g; v_g]
         return [(f"{attn}{x}_proj.{kind}", g * d, (g + 1) * d) for g in range(groups) for x in "kv"], 0
-    if rest in ("attention.q_norm.weight", "attention.k_norm.weight"):   # one weight for every head
-        return [(f"{attn}{rest.split('.')[1]}.weight", 0, d)], 0
+    if rest in ("attention.q_norm.weight", "attention.k_norm.weight"):   # one weight for every head, or per channel
+        which = rest.split(".")[1]
+        width = (heads if which == "q_norm" else groups) * d if c.qk_layernorm_across_heads else d
+        return [(f"{attn}{which}.weight", 0, width)], 0
     if rest == "attention.proj.weight":
         return [(attn + "o_proj.weight", 0, heads * d)], 1
-    if rest == "attention_norm.weight":
-        return [(p + "input_layernorm.weight", 0, c.hidden_size)], 0
-    if rest == "mlp_norm.weight":
-        return [(p + "post_attention_layernorm.weight", 0, c.hidden_size)], 0
+    norm = _LAYER_NORMS.get(c.layernorm_order, {}).get(rest.removesuffix(".weight"))
+    if norm is not None and rest.endswith(".weight"):
+        return [(p + norm + ".weight", 0, c.hidden_size)], 0
     if rest == "mlp.fc1.weight":        # SwiGLU: gate then up
         return [(p + "mlp.gate_proj.weight", 0, c.ffn_hidden_size), (p + "mlp.up_proj.weight", 0, c.ffn_hidden_size)], 0
     if rest == "mlp.fc2.weight":
@@ -437,17 +232,6 @@ def _segments(name: str, model: GPTModel) -> Tuple[Segments, int]:
         if rest == "mlp.shared_expert_gate.weight":
             return [(p + "mlp.shared_expert_gate.weight", 0, 1)], 0
     raise KeyError(f"model parameter {name!r} has no Hugging Face Llama counterpart.")
-
-
-def _moe_family(model: GPTModel) -> str:
-    """Whose names a mixture-of-experts model's router and experts take: its checkpoint's family, else Mixtral's."""
-    family = (getattr(model, "hf_config", None) or {}).get("model_type")
-    return family if family in MOE_NAMES else "mixtral"
-
-
-def _fused(model: GPTModel) -> bool:
-    """Whether the model came from (or exports to) a family whose projections Hugging Face fuses (Phi-3)."""
-    return (getattr(model, "hf_config", None) or {}).get("model_type") in FUSED_FAMILIES
 
 
 def _fused_segments(rest: str, attn: str, p: str, c: TransformerConfig) -> Optional[Tuple[Segments, int]]:

@@ -21,12 +21,17 @@ Rotary embeddings (``position_embedding_type="rope"``) rotate queries and keys h
 
 Packed rows (``document_ids [b, s]``): attention stays inside each document; ``documents.py`` holds the
 kernels (FlexAttention on CUDA, boolean-mask SDPA elsewhere and with dropout).
+
+Sliding windows (on this layer: ``config.window_of``) longer than the sequence change nothing and take the plain
+kernels; shorter ones, attention soft-capping and a ``softmax_scale`` go to ``score_attention.variant_attention``.
+Under context parallelism the window joins the causal masks of the gathered keys and the scale multiplies the
+queries (the kernels there keep their default scale); soft-capping is refused there when the model is built.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +45,9 @@ from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_sp
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
 from .documents import DocumentMask, document_attention
 from .norm import build_norm
+from .qk_norm import AcrossHeadsRMSNorm
 from .rotary import RotaryEmbedding, apply_rotary
+from .score_attention import variant_attention
 
 
 def attention_bias(attention_mask: Optional[torch.Tensor], causal: bool, seq_len: int,
@@ -96,14 +103,23 @@ class SelfAttention(nn.Module):
             comm_overlap=config.tp_comm_overlap)
         self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling)
                        if config.position_embedding_type == "rope" else None)
+        self.window = config.window_of(layer_number)
+        if config.attn_logit_softcapping is not None and state.cp_size > 1:
+            raise ValueError(f"TransformerConfig.attn_logit_softcapping={config.attn_logit_softcapping} with "
+                             f"context_parallel_size={state.cp_size}: soft-capped attention is not implemented under "
+                             f"context parallelism; use context_parallel_size=1.")
+        self.tp_rank = state.tp_rank
         self.q_norm: Optional[nn.Module] = None
         self.k_norm: Optional[nn.Module] = None
-        if config.qk_layernorm:   # over each head's channels; the weight is shared by all heads, so by all tp ranks
+        if config.qk_layernorm and config.qk_layernorm_across_heads:   # OLMo-2: one norm over every head
+            self.q_norm, self.k_norm = (
+                AcrossHeadsRMSNorm(heads, config.head_dim, config.layernorm_epsilon, config.params_dtype,
+                                   config.layernorm_zero_centered_gamma) for heads in (config.num_attention_heads, groups))
+        elif config.qk_layernorm:   # over each head's channels; the weight is shared by all heads, so by all tp ranks
             self.q_norm, self.k_norm = build_norm(config, config.head_dim), build_norm(config, config.head_dim)
-            for norm in (self.q_norm, self.k_norm):
-                for param in norm.parameters():
-                    # each tp rank's heads give a partial gradient: summed over tp like sequence-parallel norms
-                    param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute
+            for param in (*self.q_norm.parameters(), *self.k_norm.parameters()):
+                # each tp rank's heads give a partial gradient: summed over tp like sequence-parallel norms
+                param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute
 
     def _project(self, hidden: torch.Tensor):
         """``q [b, heads/tp, s, d]``, ``k``/``v`` ``[b, kv heads of this rank, s, d]``."""
@@ -145,7 +161,7 @@ class SelfAttention(nn.Module):
         ``DocumentMask`` of them): packed documents, which attention does not cross."""
         q, k, v = self._project(hidden)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._normalize_queries_and_keys(q, k)
         b, s = q.shape[0], q.shape[2]
         documents = None if document_ids is None else DocumentMask.of(document_ids)
         if documents is not None:   # before any collective: a wrong shape is the caller's, on every rank
@@ -156,20 +172,27 @@ class SelfAttention(nn.Module):
         causal = self.config.attn_mask_type == "causal"
         dropout = self.config.attention_dropout if self.training else 0.0
         state = get_parallel_state()
-        window = self.config.sliding_window
-        if causal and window is not None and s * state.cp_size > window:
-            raise ValueError(f"sequence length {s * state.cp_size} exceeds TransformerConfig.sliding_window={window}: "
-                             "sliding-window attention is not implemented; use sequences of at most that length.")
+        window = self.window if self.window is not None and s * state.cp_size > self.window else None
+        if window is not None and not causal:
+            raise ValueError(f"TransformerConfig.sliding_window={window} with attn_mask_type={self.config.attn_mask_type!r}: "
+                             f"sliding windows here are causal; use attn_mask_type='causal' or sliding_window=None.")
+        scale, softcap = self.config.softmax_scale, self.config.attn_logit_softcapping
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
+            if scale is not None:   # the kernels there scale by 1/sqrt(d)
+                q = q * (scale * self.head_dim ** 0.5)
             rng = context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank) if dropout > 0 else None
             context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng,
-                                                 documents)
+                                                 documents, window=window)
         else:
             # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
             # sequence parallelism the whole block already runs on the tp-rank generator
             forked = dropout > 0 and not self.config.sequence_parallel
             with get_rng_tracker(state).fork() if forked else contextlib.nullcontext():
-                if documents is not None:
+                if window is not None or scale is not None or softcap is not None:
+                    context = variant_attention(q, k, v, causal=causal, dropout_p=dropout, scale=scale, softcap=softcap,
+                                                window=window, attention_mask=attention_mask, documents=documents,
+                                                kernel=self.config.document_attention)
+                elif documents is not None:
                     context = document_attention(q, k, v, documents, causal, dropout, attention_mask,
                                                  kernel=self.config.document_attention)
                 else:
@@ -179,3 +202,13 @@ class SelfAttention(nn.Module):
                                                              enable_gqa=k.shape[1] != q.shape[1])
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(context)
+
+    def _normalize_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        assert self.q_norm is not None and self.k_norm is not None   # the caller checked
+        if not isinstance(self.q_norm, AcrossHeadsRMSNorm):
+            return self.q_norm(q), self.k_norm(k)
+        group = get_parallel_state().tp_group
+        k_first = (self.tp_rank // self.kv_sharing_ranks if self.kv_sharing_ranks > 1
+                   else self.tp_rank * self.kv_heads_per_rank)
+        return (self.q_norm(q, self.tp_rank * self.heads_per_rank, group),
+                self.k_norm(k, k_first, group, self.kv_sharing_ranks))

@@ -37,7 +37,7 @@ class TransformerBlock(nn.Module):
             config.num_layers, build, config.init_seed, vp_rank, first_stage_layers, last_stage_layers,
             pipeline_layout)
         _, is_last = chunk_position(vp_rank)
-        self.final_norm = build_norm(config) if config.layernorm_order == "pre" and is_last else None
+        self.final_norm = build_norm(config) if config.layernorm_order != "post" and is_last else None
 
     def graphable_layers(self) -> nn.ModuleList:
         """This chunk's layers, run one after another (per-layer CUDA graphs chain them)."""

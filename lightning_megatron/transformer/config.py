@@ -6,14 +6,14 @@ import dataclasses
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")   # fc1 holds a gate and an up projection
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-LAYERNORM_ORDERS = ("pre", "post")
+LAYERNORM_ORDERS = ("pre", "post", "sandwich", "post_sublayer")   # see TransformerLayer
 MASK_TYPES = ("causal", "padding")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
 DOCUMENT_ATTENTION = ("auto", "flex", "mask")   # kernels of attention within packed documents
@@ -43,10 +43,17 @@ class TransformerConfig:
     per query head), ``kv_channels`` the head size when it is not ``hidden_size / heads``,
     ``position_embedding_type="rope"`` rotary embeddings (``rotary_base``, ``rotary_percent`` of
     each head rotated, ``rope_scaling`` ``{"rope_type": "linear" | "llama3" | "yarn", ...}`` with Hugging
-    Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: sequences
-    longer than it are refused, shorter ones need no window), ``add_qkv_bias`` (Qwen2: biases on the
-    query/key/value projections only), ``qk_layernorm`` (Qwen3, OLMo-2 style: ``normalization`` over each
-    head's query and key channels, one weight of ``head_dim`` shared by the heads, before the rotation).
+    Face's keys) instead of a learned position table, ``sliding_window`` (Mistral: a query sees itself and the
+    ``sliding_window - 1`` keys before it; on the layers ``sliding_window_layers`` numbers, 1-based, or every layer;
+    under context parallelism longer sequences are refused), ``add_qkv_bias`` (Qwen2: biases on the
+    query/key/value projections only), ``qk_layernorm`` (Qwen3: ``normalization`` over each head's query and key
+    channels, one weight of ``head_dim`` shared by the heads, before the rotation; with
+    ``qk_layernorm_across_heads``, OLMo-2's RMSNorm over all heads' channels at once, one weight per channel of
+    every head, its statistics summed over tensor-parallel ranks).
+    Gemma 2/3: ``layernorm_order="sandwich"`` (norms before and after each sub-block; OLMo-2's
+    ``"post_sublayer"`` has only those after), ``softmax_scale`` (their ``query_pre_attn_scalar ** -0.5``),
+    ``attn_logit_softcapping`` and ``final_logit_softcapping`` (``c * tanh(x / c)`` on the attention scores and on
+    the output logits).
     Gemma: ``activation="geglu"`` (gate and up projections, tanh-approximated GELU on the gate),
     ``layernorm_zero_centered_gamma`` (Megatron-Core's name: every norm scales by ``1 + weight``, computed in
     float32, weights stored centred on 0) and ``embedding_multiplier`` (``sqrt(hidden_size)``, in the
@@ -66,7 +73,7 @@ class TransformerConfig:
     activation: str = "gelu"                       # gelu | gelu_tanh | swiglu | geglu (gated gelu_tanh: Gemma)
     normalization: str = "LayerNorm"               # LayerNorm | RMSNorm
     layernorm_epsilon: float = 1e-5
-    layernorm_order: str = "pre"                   # pre | post
+    layernorm_order: str = "pre"                   # pre | post | sandwich (Gemma 2/3) | post_sublayer (OLMo-2)
     attn_mask_type: str = "causal"                 # causal | padding
     add_bias_linear: bool = True
     init_method_std: float = 0.02
@@ -84,11 +91,16 @@ class TransformerConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0                    # share of each head's channels that rotate
     rope_scaling: Optional[Dict[str, Any]] = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
-    sliding_window: Optional[int] = None           # longest attention span (Mistral); longer sequences refused
+    sliding_window: Optional[int] = None           # a query sees at most this many keys, itself included (Mistral)
+    sliding_window_layers: Optional[Tuple[int, ...]] = None   # 1-based layers with the window; None: every layer
+    softmax_scale: Optional[float] = None          # attention scores times this; None: 1 / sqrt(head_dim)
+    attn_logit_softcapping: Optional[float] = None   # scores -> c * tanh(scores / c) before the softmax (Gemma 2)
+    final_logit_softcapping: Optional[float] = None  # the output logits likewise, before the loss (Gemma 2)
     document_attention: str = "auto"               # packed rows' kernel: auto | flex | mask (documents.py)
     add_qkv_bias: Optional[bool] = None            # biases on the query/key/value projections (Qwen2); None: as
                                                    # add_bias_linear (the output projection follows add_bias_linear)
     qk_layernorm: bool = False                     # normalize each head's queries and keys before RoPE (Qwen3)
+    qk_layernorm_across_heads: bool = False        # qk_layernorm over all heads' channels at once (OLMo-2)
     layernorm_zero_centered_gamma: bool = False    # norms scale by (1 + weight), weights start at 0 (Gemma)
     embedding_multiplier: float = 1.0              # word embeddings times this (Gemma: sqrt(hidden_size))
 
@@ -137,11 +149,42 @@ class TransformerConfig:
                              f"{self.embedding_multiplier!r}.")
         if not isinstance(self.qk_layernorm, bool):
             raise ValueError(f"TransformerConfig.qk_layernorm must be True or False, got {self.qk_layernorm!r}.")
+        self._check_attention_variants()
         if self.add_qkv_bias not in (None, True, False):
             raise ValueError(f"TransformerConfig.add_qkv_bias must be None (as add_bias_linear), True or False, got "
                              f"{self.add_qkv_bias!r}.")
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"TransformerConfig.params_dtype must be a floating dtype, got {self.params_dtype}.")
+
+    def _check_attention_variants(self) -> None:
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"TransformerConfig.{name} must be a positive number or None, got {value!r}.")
+        if not isinstance(self.qk_layernorm_across_heads, bool):
+            raise ValueError(f"TransformerConfig.qk_layernorm_across_heads must be True or False, got "
+                             f"{self.qk_layernorm_across_heads!r}.")
+        if self.qk_layernorm_across_heads and (not self.qk_layernorm or self.normalization != "RMSNorm"):
+            raise ValueError(f"TransformerConfig.qk_layernorm_across_heads=True needs qk_layernorm=True (it says how "
+                             f"the query/key norms span the heads) and normalization='RMSNorm', got qk_layernorm="
+                             f"{self.qk_layernorm}, normalization={self.normalization!r}.")
+        layers = self.sliding_window_layers
+        if layers is None:
+            return
+        if self.sliding_window is None:
+            raise ValueError(f"TransformerConfig.sliding_window_layers={layers!r} needs sliding_window (the window "
+                             f"those layers use).")
+        if isinstance(layers, (str, bytes)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.num_layers for n in layers):
+            raise ValueError(f"TransformerConfig.sliding_window_layers must list layer numbers from 1 to num_layers="
+                             f"{self.num_layers} (1-based), got {layers!r}.")
+        self.sliding_window_layers = tuple(sorted(set(layers)))
+
+    def window_of(self, layer_number: int) -> Optional[int]:
+        """The sliding window of layer ``layer_number`` (1-based), or None: full attention."""
+        if self.sliding_window_layers is not None and layer_number not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Layers 1, 1 + k, 1 + 2k, ... (1-based, as ``TransformerLayer`` numbers them) are mixture-of-experts

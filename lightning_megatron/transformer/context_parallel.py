@@ -67,14 +67,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                attention_mask: Optional[torch.Tensor] = None, causal: bool = True,
                                dropout_p: float = 0.0, group: Optional[dist.ProcessGroup] = None,
                                rng: Optional[ContextManager[None]] = None,
-                               document_ids: Union[torch.Tensor, DocumentMask, None] = None) -> torch.Tensor:
+                               document_ids: Union[torch.Tensor, DocumentMask, None] = None,
+                               window: Optional[int] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: ``[b, heads, s_local, d]`` each.
 
     ``attention_mask``: ``[b, s_local]``, this rank's split (1 = token, 0 = padding), or None.
     ``group``: the cp group (default: the active state's). ``rng``: entered around the kernels, for
     dropout (``SelfAttention`` passes :func:`context_parallel_rng_fork`). ``document_ids``: ``[b, s_local]``,
     this rank's split of a packed batch's document ids (or their ``DocumentMask``): attention stays
-    inside each document.
+    inside each document. ``window``: a causal sliding window (a query sees itself and the ``window - 1`` keys before
+    it, by global position).
     """
     group = get_parallel_state().cp_group if group is None else group
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -96,17 +98,18 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         documents.check(q.shape[0], s_local)
         q_ids, k_ids = gathered_ids(documents, lambda ids: all_gather_context_parallel(ids, seq_dim=1, group=group))
     with rng if rng is not None else contextlib.nullcontext():
-        return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank, q_ids, k_ids)
+        return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank, q_ids, k_ids, window)
 
 
 def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keep: Optional[torch.Tensor],
                           causal: bool, dropout_p: float, cp_size: int, cp_rank: int,
                           q_documents: Optional[torch.Tensor] = None,
-                          k_documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          k_documents: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """The local part, a pure function: cp rank ``cp_rank``'s queries ``[b, heads, s/cp, d]`` against the
     whole sequence's keys/values ``[b, heads, s, d]`` in sequence order (fewer key/value heads than query
     heads: grouped-query attention); ``keep``: ``[b, s]`` bool or None. ``q_documents [b, s/cp]`` (this
-    rank's split) and ``k_documents [b, s]`` (in sequence order): packed rows' document ids, or None."""
+    rank's split) and ``k_documents [b, s]`` (in sequence order): packed rows' document ids, or None. ``window``
+    (causal only): keys more than ``window - 1`` positions before a query are hidden too."""
     chunk = q.shape[-2] // 2
     gqa = k_all.shape[-3] != q.shape[-3]
     if not causal:
@@ -119,12 +122,14 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     outputs = []
     for slot, c in enumerate(local_chunks(cp_size, cp_rank)):
         end = (c + 1) * chunk                  # queries of chunk c see keys [0, end), lower-right causal
-        if keep is None and q_documents is None:
+        if keep is None and q_documents is None and window is None:
             from torch.nn.attention.bias import causal_lower_right   # imports torch._dynamo: 1.6 s, on first use
 
             mask = causal_lower_right(chunk, end)
         else:
             mask = torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(end - chunk)
+            if window is not None:   # query row i is global position end - chunk + i: keys after i - window
+                mask = mask & ~torch.ones(chunk, end, dtype=torch.bool, device=q.device).tril(end - chunk - window)
             if keep is not None:
                 mask = keep[:, None, None, :end] & mask
             if q_documents is not None:

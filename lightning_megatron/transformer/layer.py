@@ -1,4 +1,4 @@
-"""One transformer layer: attention and MLP sub-blocks with residuals, pre- or post-norm."""
+"""One transformer layer: attention and MLP sub-blocks with residuals; norms before, after or around each."""
 
 from __future__ import annotations
 
@@ -39,8 +39,11 @@ def given(**inputs: Any) -> Dict[str, Any]:
 
 
 class TransformerLayer(nn.Module):
-    """``pre``: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` (seed 002, Fig. 7b).
-    ``post`` (original BERT): ``norm(x + drop(attn(x)))`` then ``norm(x + drop(mlp(x)))``.
+    """``layernorm_order`` (``f`` is attention, then the MLP, each with its own norms):
+    ``pre``: ``x + drop(f(norm(x)))`` (seed 002, Fig. 7b); ``post`` (original BERT): ``norm(x + drop(f(x)))``;
+    ``sandwich`` (Gemma 2/3): ``x + drop(out_norm(f(norm(x))))``; ``post_sublayer`` (OLMo-2):
+    ``x + drop(out_norm(f(x)))``. The norms on a sub-block's output are ``attention_output_norm`` and
+    ``mlp_output_norm``; ``attention_norm`` and ``mlp_norm`` are the others (``nn.Identity`` under ``post_sublayer``).
 
     ``mlp`` replaces the dense MLP (e.g. an MoE layer); it may return ``(output, extra)``.
 
@@ -52,12 +55,16 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig, layer_number: int, mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.pre_norm = config.layernorm_order == "pre"
+        self.order = config.layernorm_order
         self.layer_number = layer_number
-        self.attention_norm = build_norm(config)
+        inputs_normed = self.order != "post_sublayer"
+        outputs_normed = self.order in ("sandwich", "post_sublayer")
+        self.attention_norm = build_norm(config) if inputs_normed else nn.Identity()
         self.attention = SelfAttention(config, layer_number)
-        self.mlp_norm = build_norm(config)
+        self.attention_output_norm = build_norm(config) if outputs_normed else nn.Identity()
+        self.mlp_norm = build_norm(config) if inputs_normed else nn.Identity()
         self.mlp = mlp if mlp is not None else build_mlp(config, layer_number)
+        self.mlp_output_norm = build_norm(config) if outputs_normed else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.graphed_calls: Dict[str, Callable[..., Any]] = {}   # set_graphed: call name -> graph replay
 
@@ -102,14 +109,15 @@ class TransformerLayer(nn.Module):
                          position_ids: Optional[torch.Tensor] = None,
                          document_ids: Union[torch.Tensor, DocumentMask, None] = None) -> torch.Tensor:
         inputs = (attention_mask, position_ids, document_ids)
-        if self.pre_norm:
-            return hidden + self.dropout(self.attention(self.attention_norm(hidden), *inputs))
-        return self.attention_norm(hidden + self.dropout(self.attention(hidden, *inputs)))
+        if self.order == "post":
+            return self.attention_norm(hidden + self.dropout(self.attention(hidden, *inputs)))
+        out = self.attention_output_norm(self.attention(self.attention_norm(hidden), *inputs))
+        return hidden + self.dropout(out)
 
     def _mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.pre_norm:
-            return hidden + self.dropout(self._mlp(self.mlp_norm(hidden)))
-        return self.mlp_norm(hidden + self.dropout(self._mlp(hidden)))
+        if self.order == "post":
+            return self.mlp_norm(hidden + self.dropout(self._mlp(hidden)))
+        return hidden + self.dropout(self.mlp_output_norm(self._mlp(self.mlp_norm(hidden))))
 
     # -- the graphable-layer protocol (graphable.py) ---------------------------------------------------
     def set_graphed(self, entry: str, fn: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
@@ -141,9 +149,10 @@ class TransformerLayer(nn.Module):
         pieces = []
         if "attn" in scope:
             pieces.append(GraphPiece("attention_block", self._attention_block, self._attention_block,
-                                     [self.attention_norm, self.attention], name="attn", segments=(0, 0), **static))
+                                     [self.attention_norm, self.attention, self.attention_output_norm], name="attn", segments=(0, 0), **static))
         if "mlp" in scope:
-            pieces.append(GraphPiece("mlp_block", self._mlp_block, self._mlp_block, [self.mlp_norm, self.mlp],
+            pieces.append(GraphPiece("mlp_block", self._mlp_block, self._mlp_block,
+                                     [self.mlp_norm, self.mlp, self.mlp_output_norm],
                                      name="mlp", segments=(1, 1), **{**static, "arg_names": ("hidden",)}))
         return pieces
 
@@ -155,9 +164,10 @@ class TransformerLayer(nn.Module):
     def _moe_piece(self, scope: FrozenSet[str], stop: str, static: Dict[str, Any]) -> GraphPiece:
         """The graph stops inside the MoE MLP, after ``stop`` (``MoELayer.forward_head``); ``finish`` runs
         ``forward_tail`` eagerly. With ``"attn"`` in the scope the attention block is in the same graph."""
-        if not self.pre_norm:
+        if self.order != "pre":
             raise ValueError(f"cuda_graph_scope {sorted(scope)} on MoE layer {self.layer_number}: MoE partial "
-                             f"capture needs layernorm_order='pre' (the router reads the normalized residual stream).")
+                             f"capture needs layernorm_order='pre' (the router reads the normalized residual stream "
+                             f"and the expert output joins it unnormalised), not {self.order!r}.")
         moe = self._moe()
         assert moe is not None   # graph_pieces asks only MoE layers
         with_attention = "attn" in scope
@@ -171,7 +181,7 @@ class TransformerLayer(nn.Module):
             h1, rest = (outputs[0], outputs[1:]) if with_attention else (args[0], outputs)
             return h1 + self.dropout(moe.forward_tail(rest, state))
 
-        modules = [self.attention_norm, self.attention] if with_attention else []
+        modules = [self.attention_norm, self.attention, self.attention_output_norm] if with_attention else []
         modules += [self.mlp_norm] + moe.head_modules()
         name = f"{'attn+' if with_attention else ''}moe_{stop}"
         if with_attention:

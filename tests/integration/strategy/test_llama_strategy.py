@@ -190,3 +190,31 @@ def test_qwen_attention_updates_match_single_process(qwen_reference, name):
     out = run_on_ranks(fit_and_record, world, kwargs, module_cls=TinyLlama, module_kwargs=QWEN, timeout=240)
     assert any("q_norm" in key for key in out[0]["params"][0])
     assert_same_updates(out[0]["params"], qwen_reference["params"])
+
+
+# Gemma 2 and OLMo-2 layers in one model: norms before and after each sub-block, query/key RMSNorms over all heads
+# (one weight per channel of every head, kept whole on each tp rank: its gradient is a sum over tp, and the shared
+# key/value heads at tp4 count once), a window of 3 < SEQ on layers 1 and 3, scaled and soft-capped scores and
+# soft-capped logits; the weights are initialised 10x larger so the caps bend the scores and logits, and SGD's lr is
+# 0.05: at lr 2 the output norms (of near-zero sub-block outputs) make the steps chaotic, float32 noise included
+GEMMA2_OLMO2 = dict(layernorm_order="sandwich", qk_layernorm=True, qk_layernorm_across_heads=True, sliding_window=3,
+                    sliding_window_layers=[1, 3], softmax_scale=0.3, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0, init_method_std=0.2, lr=0.05)
+GEMMA2_OLMO2_LAYOUTS = {
+    "tp4sp": (4, dict(tensor_model_parallel_size=4, sequence_parallel=True)),
+    "tp2pp2sp": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True,
+                         micro_batch_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma2_olmo2_reference():
+    return run_on_ranks(fit_and_record, 1, dict(), module_cls=TinyLlama, module_kwargs=GEMMA2_OLMO2, timeout=120)[0]
+
+
+@pytest.mark.parametrize("name", list(GEMMA2_OLMO2_LAYOUTS))
+def test_sandwich_softcapped_windowed_layers_update_like_single_process(gemma2_olmo2_reference, name):
+    world, kwargs = GEMMA2_OLMO2_LAYOUTS[name]
+    out = run_on_ranks(fit_and_record, world, kwargs, module_cls=TinyLlama, module_kwargs=GEMMA2_OLMO2, timeout=240)
+    assert any("mlp_output_norm" in key for key in out[0]["params"][0])
+    assert_same_updates(out[0]["params"], gemma2_olmo2_reference["params"])

@@ -36,10 +36,10 @@ FAMILIES = {
               dict(num_hidden_layers=4, num_key_value_heads=2,
                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8))),
-    # one key/value head (shared by every tp rank), head_dim 32 != 64/4, tied embeddings, a window
+    # one key/value head (shared by every tp rank), head_dim 32 != 64/4, tied embeddings, a window of 6 < SEQ
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                     sliding_window=32)),
+                     sliding_window=6)),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     # biases on q/k/v only (random here: transformers initialises them to zero), GQA 4:2, untied
@@ -62,12 +62,22 @@ FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=48, norm_topk_prob=False)),
+    # Gemma's layers with norms before and after each sub-block, a window of 6 on layers 1 and 3 (layer_types'
+    # default), scores scaled by 24 ** -0.5 (not head_dim's), soft-capped scores and logits: weights 10x Gemma's
+    # initial scale, so scores reach ~15 and logits ~10 and both caps bend them
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=32, pad_token_id=0, sliding_window=6,
+                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=4.0,
+                    initializer_range=0.2)),
+    # norms on each sub-block's output only; q/k RMSNorms over all heads at once (weights of 4·16 and 2·16)
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
+              dict(num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0)),
 }
 # (tp, pp, ep, vp, cp), run in one world of 4 (other ranks are dp replicas); the last one exports
 LAYOUTS = {
     "llama": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, 2, 1), (1, 1, 1, None, 2), (4, 1, 1, None, 1),
               (2, 2, 1, None, 1)],
-    "mistral": [(1, 1, 1, None, 1), (1, 2, 1, None, 1), (4, 1, 1, None, 1), (2, 2, 1, None, 1)],
+    "mistral": [(1, 1, 1, None, 1), (1, 2, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "mixtral": [(1, 1, 1, None, 1), (2, 2, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1)],
     "qwen2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2),
               (2, 2, 1, None, 1)],
@@ -75,6 +85,9 @@ LAYOUTS = {
     "phi3": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (2, 2, 1, None, 1)],
     "gemma": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "qwen3_moe": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1), (2, 2, 1, None, 1)],
+    # soft-capped attention is refused under context parallelism
+    "gemma2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, 2, 1), (2, 2, 1, None, 1)],
+    "olmo2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
 }
 
 
@@ -92,9 +105,11 @@ def families(tmp_path_factory):
             for name, param in model.named_parameters():
                 if name.endswith(("proj.bias", "q_norm.weight", "k_norm.weight")):
                     param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
-                elif kind == "gemma" and name.endswith("norm.weight"):   # zero-centred: 0 is the identity
+                elif kind.startswith("gemma") and name.endswith("norm.weight"):   # zero-centred: 0 is the identity
                     param.normal_(0.0, 0.5)
-                elif kind == "gemma" and name.endswith("gate_proj.weight"):   # gates of order 1, where the tanh
+                elif kind == "olmo2" and name.endswith("layernorm.weight"):   # which norm is which shows
+                    param.normal_(1.0, 0.5)
+                elif kind.startswith("gemma") and name.endswith("gate_proj.weight"):   # gates of order 1, where the tanh
                     param.normal_(0.0, 0.3)                                   # GELU is not the exact one
         path = str(tmp_path_factory.mktemp(kind))
         model.save_pretrained(path, max_shard_size="60KB")
@@ -309,7 +324,7 @@ def _one_sgd_step_like_transformers(path, ids, labels, export_to):
             if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "olmo2"])
 def test_one_training_step_equals_transformers(families, kind, tmp_path):
     fam = families[kind]
     pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],
