@@ -282,6 +282,16 @@ MUTATIONS: List[Mutation] = [
              "variance = squares / (self.num_heads * self.head_dim)",
              (f"{STRATEGY}/test_llama_strategy.py::test_sandwich_softcapped_windowed_layers_update_like_single_process[tp4sp]",),
              ci=False),
+    # Gemma 3's windowed layers rotate by their own base; Qwen's window starts at max_window_layers (configs without
+    # layer_types: transformers writes them, so only the config test sees the default)
+    Mutation("window-rotary-base-ignored", "lightning_megatron/transformer/attention.py",
+             "local_base = config.window_rotary_base if self.window is not None else None", "local_base = None",
+             ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[gemma3_text]",),
+             ci=False),
+    Mutation("qwen-window-on-every-layer", "lightning_megatron/models/hf_config.py",
+             'first = hf.get("max_window_layers", layers)', "first = 0",
+             ("tests/unit/models/test_hf_qwen2_moe.py::test_config_and_refusals",),
+             ci=False),
     # Qwen3-MoE without norm_topk_prob keeps the top-k of a softmax over every expert (not renormalised)
     Mutation("qwen3-moe-topk-renormalised", "lightning_megatron/models/hf_config.py",
              'pre_softmax=qwen and not hf.get("norm_topk_prob", False)', "pre_softmax=False",

@@ -78,7 +78,8 @@ class GPTModel(nn.Module):
             raise ValueError(f"GPTModel cross_entropy_chunk_size={cross_entropy_chunk_size} fuses the loss with the "
                              f"output layer, fused_cross_entropy=False asks for the unfused loss: drop one of them.")
         if config.final_logit_softcapping is not None and (cross_entropy_chunk_size is not None or fused_cross_entropy):
-            raise ValueError(f"GPTModel with TransformerConfig.final_logit_softcapping={config.final_logit_softcapping}: "
+            raise ValueError(f"GPTModel with TransformerConfig.final_logit_softcapping="
+                             f"{config.final_logit_softcapping}: "
                              f"the fused losses (cross_entropy_chunk_size, fused_cross_entropy=True) take the output "
                              f"layer's logits as they are; leave both unset (the loss then follows the soft-capped "
                              f"logits).")

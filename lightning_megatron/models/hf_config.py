@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -19,10 +19,10 @@ from .llama import LLAMA_DEFAULTS
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")   # biases on q/k/v only (Qwen2Attention; qwen2_moe: its qkv_bias)
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2")   # RMSNorms of the queries and keys (q_norm / k_norm)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")   # RMSNorms of the queries and keys (q_norm / k_norm)
 ACROSS_HEADS_QK_NORM_FAMILIES = ("olmo2",)   # ... over all heads' channels at once (the others: over each head's)
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 QWEN_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")   # softmax over every expert, top-k renormalised with norm_topk_prob
@@ -32,10 +32,13 @@ MOE_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.exper
              "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
 SHARED_EXPERT = "mlp.shared_expert."   # Qwen2-MoE's shared expert (gate/up/down_proj) and its gate
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
-LAYER_TYPED_WINDOWS = ("gemma2",)   # sliding_window on the layers whose layer_types entry is "sliding_attention"
-GEMMA_FAMILIES = ("gemma", "gemma2")   # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(hidden_size)
-SOFTCAPPED_FAMILIES = ("gemma2",)   # query_pre_attn_scalar, attn_logit_softcapping, final_logit_softcapping
-LAYERNORM_ORDERS = {"gemma2": "sandwich", "olmo2": "post_sublayer"}   # TransformerConfig.layernorm_order; else "pre"
+QWEN_FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")   # windows (use_sliding_window) from max_window_layers on
+# sliding_window on the layers whose layer_types entry is "sliding_attention" (each family's default when absent)
+LAYER_TYPED_WINDOWS = ("gemma2", "gemma3_text") + QWEN_FAMILIES
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")   # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(h)
+SOFTCAPPED_FAMILIES = ("gemma2", "gemma3_text")   # query_pre_attn_scalar, attn_ and final_logit_softcapping
+LOCAL_ROPE_FAMILIES = ("gemma3_text",)   # rope_parameters per layer type: the windowed layers' own base
+LAYERNORM_ORDERS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post_sublayer"}   # else "pre"
 WINDOW_LAYER_TYPES = ("sliding_attention", "full_attention")
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
@@ -93,13 +96,10 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ValueError(f"{key}=true in config.json is not supported (Llama-family layers have no biases).")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
-        raise ValueError(f"use_sliding_window=true in config.json ({model_type} sliding-window layers from "
-                         f"max_window_layers on) is not supported; import with use_sliding_window=false.")
     rope_params = hf.get("rope_parameters") or {}
     if (rope_params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 in config.json is not supported for Llama-family models.")
-    base, scaling = _rope(hf)
+    base, scaling = _rope(_global_rope(hf) if model_type in LOCAL_ROPE_FAMILIES else hf)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -120,7 +120,9 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
         fields.update(activation="geglu", layernorm_zero_centered_gamma=True,
                       embedding_multiplier=float(hf["hidden_size"]) ** 0.5)
     if model_type in LAYER_TYPED_WINDOWS:
-        fields.update(_typed_windows(hf))
+        fields.update(_typed_windows(hf, model_type))
+    if model_type in LOCAL_ROPE_FAMILIES and fields.get("sliding_window") is not None:
+        fields["window_rotary_base"] = _local_rope_base(hf)
     if model_type in SOFTCAPPED_FAMILIES:
         scalar = hf.get("query_pre_attn_scalar") or head_dim
         fields.update(softmax_scale=None if scalar == head_dim else scalar ** -0.5,
@@ -155,14 +157,47 @@ def config_from_hf(source: Union[str, os.PathLike, dict, Any], **overrides: Any)
     return TransformerConfig(**fields)
 
 
-def _typed_windows(hf: dict) -> Dict[str, Any]:
+def _global_rope(hf: dict) -> dict:
+    """Gemma 3's config with its full-attention layers' rope as the model's (``rope_parameters`` per layer type in
+    transformers 5; ``rope_theta`` / ``rope_scaling`` before)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        return dict(hf, rope_parameters=params["full_attention"])
+    return dict(hf, rope_theta=hf.get("rope_theta", 1_000_000.0))
+
+
+def _local_rope_base(hf: dict) -> float:
+    """The windowed layers' rotary base (Gemma 3: ``rope_local_base_freq``, 10000 by default), refusing a scaling."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters['sliding_attention'] of rope_type {local['rope_type']!r} in config.json is "
+                         f"not supported: the windowed layers here rotate without scaling.")
+    return float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+
+
+def _default_layer_types(hf: dict, model_type: str, layers: int) -> List[str]:
+    """transformers' default ``layer_types``: Gemma 2 alternates from a windowed first layer, Gemma 3 windows all but
+    every ``sliding_window_pattern``-th (6), Qwen windows the layers from ``max_window_layers`` on."""
+    sliding, full = WINDOW_LAYER_TYPES
+    if model_type == "gemma2":
+        return [sliding if i % 2 == 0 else full for i in range(layers)]
+    if model_type == "gemma3_text":
+        pattern = hf.get("sliding_window_pattern") or 6
+        return [sliding if (i + 1) % pattern else full for i in range(layers)]
+    first = hf.get("max_window_layers", layers)
+    return [sliding if i >= first else full for i in range(layers)]
+
+
+def _typed_windows(hf: dict, model_type: str) -> Dict[str, Any]:
     """``sliding_window`` and ``sliding_window_layers`` of a config whose ``layer_types`` say which layers have the
-    window (Gemma 2: every other one, from the first, when the key is absent)."""
+    window (each family's default when the key is absent; Qwen's only with ``use_sliding_window``)."""
     if hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=true in config.json is not supported: the language models here "
                          "are causal; import with use_bidirectional_attention=false.")
+    if model_type in QWEN_FAMILIES and not hf.get("use_sliding_window"):
+        return dict(sliding_window=None)
     layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [WINDOW_LAYER_TYPES[i % 2] for i in range(layers)]
+    types = hf.get("layer_types") or _default_layer_types(hf, model_type, layers)
     unknown = sorted(set(types) - set(WINDOW_LAYER_TYPES))
     if unknown or len(types) != layers:
         raise ValueError(f"layer_types in config.json must give one of {list(WINDOW_LAYER_TYPES)} per layer "
@@ -170,7 +205,8 @@ def _typed_windows(hf: dict) -> Dict[str, Any]:
     windowed = [i + 1 for i, kind in enumerate(types) if kind == "sliding_attention"]
     if not windowed or hf.get("sliding_window") is None:
         return dict(sliding_window=None)
-    return dict(sliding_window=hf["sliding_window"], sliding_window_layers=None if len(windowed) == layers else windowed)
+    return dict(sliding_window=hf["sliding_window"],
+                sliding_window_layers=None if len(windowed) == layers else windowed)
 
 
 def model_kwargs_from_hf(source: Union[str, os.PathLike, dict, Any]) -> Dict[str, Any]:
@@ -186,7 +222,7 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     config, if any) with every structural key replaced by the model's own."""
     c = model.config
     if model_type is None:
-        by_order = {order: family for family, order in LAYERNORM_ORDERS.items()}
+        by_order = {"sandwich": "gemma3_text" if c.qk_layernorm else "gemma2", "post_sublayer": "olmo2"}
         model_type = (base or {}).get("model_type") or ("mixtral" if c.moe is not None else None) or \
             by_order.get(c.layernorm_order) or (
             "gemma" if c.layernorm_zero_centered_gamma else "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias
@@ -247,9 +283,13 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
         out["rope_scaling"] = dict(c.rope_scaling)
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    elif model_type == "gemma2":
+    elif model_type in ("gemma2", "gemma3_text"):
         out.update(_gemma2_keys(c))
         out.pop("hidden_activation", None)
+        if model_type == "gemma3_text":
+            local = c.window_rotary_base or c.rotary_base
+            out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
+                "rope_type": "default", "rope_theta": local}}, rope_local_base_freq=local)
     elif model_type == "olmo2":
         if c.sliding_window:
             raise ValueError("model_type='olmo2' has no sliding window; export with sliding_window=None.")
@@ -259,11 +299,11 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
             raise ValueError("model_type='gemma' has no sliding window; export with sliding_window=None.")
         out.update(attention_bias=False)
         out.pop("hidden_activation", None)   # older configs' key for the same activation
-    elif model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-        if c.sliding_window:
-            raise ValueError(f"model_type={model_type!r} export of a model with sliding_window is not supported (its "
-                             f"window applies from max_window_layers on); export with sliding_window=None.")
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
+    elif model_type in QWEN_FAMILIES:
+        windowed = [n for n in range(1, c.num_layers + 1) if c.window_of(n) is not None]
+        out.update(use_sliding_window=bool(windowed), sliding_window=c.sliding_window if windowed else None,
+                   max_window_layers=windowed[0] - 1 if windowed else c.num_layers,
+                   layer_types=[WINDOW_LAYER_TYPES[0 if n in windowed else 1] for n in range(1, c.num_layers + 1)])
         if model_type in ("qwen3", "qwen3_moe"):
             out.update(attention_bias=False)
     else:
@@ -297,16 +337,20 @@ def _check_layer_structure(c: TransformerConfig, model_type: str) -> None:
                          f"layernorm_order={c.layernorm_order!r}; export as {families or 'another family'}.")
     across = model_type in ACROSS_HEADS_QK_NORM_FAMILIES
     if c.qk_layernorm and c.qk_layernorm_across_heads != across:
-        raise ValueError(f"model_type={model_type!r} normalizes queries and keys {'over all heads at once' if across else 'per head'}, "
+        span = "over all heads at once" if across else "per head"
+        raise ValueError(f"model_type={model_type!r} normalizes queries and keys {span}, "
                          f"but this model has qk_layernorm_across_heads={c.qk_layernorm_across_heads}.")
     variants = {name: getattr(c, name) for name in ("softmax_scale", "attn_logit_softcapping",
                                                     "final_logit_softcapping") if getattr(c, name) is not None}
     if variants and model_type not in SOFTCAPPED_FAMILIES:
         raise ValueError(f"model_type={model_type!r} has no {sorted(variants)}, but this model sets {variants}; export "
                          f"as {list(SOFTCAPPED_FAMILIES)}.")
+    if c.window_rotary_base is not None and model_type not in LOCAL_ROPE_FAMILIES:
+        raise ValueError(f"model_type={model_type!r} has one rotary base, but this model has window_rotary_base="
+                         f"{c.window_rotary_base}; export as {list(LOCAL_ROPE_FAMILIES)}.")
     if c.sliding_window_layers is not None and model_type not in LAYER_TYPED_WINDOWS:
-        raise ValueError(f"model_type={model_type!r} has no per-layer windows, but this model has sliding_window_layers="
-                         f"{c.sliding_window_layers}; export as {list(LAYER_TYPED_WINDOWS)}.")
+        raise ValueError(f"model_type={model_type!r} has no per-layer windows, but this model has "
+                         f"sliding_window_layers={c.sliding_window_layers}; export as {list(LAYER_TYPED_WINDOWS)}.")
 
 
 def _gemma2_keys(c: TransformerConfig) -> Dict[str, Any]:

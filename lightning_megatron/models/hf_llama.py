@@ -1,9 +1,10 @@
-"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Phi-3 / Gemma / Gemma 2 / OLMo-2
-checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
+"""Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Phi-3 / Gemma / Gemma 2 / Gemma 3 /
+OLMo-2 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
-rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding-window layers
-(``use_sliding_window``) are refused. Phi-3 fuses q/k/v into one ``qkv_proj`` (all query rows, then key, then
+rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding windows
+(``use_sliding_window``) cover the layers from ``max_window_layers`` on, or those ``layer_types`` names. Phi-3 fuses
+q/k/v into one ``qkv_proj`` (all query rows, then key, then
 value) and gate/up into ``gate_up_proj``: segments of one tensor, read the same way. Gemma (v1) is a Llama with
 a GeGLU MLP (``activation="geglu"``), norms that scale by ``1 + weight`` (``layernorm_zero_centered_gamma``: the
 weights load unchanged) and word embeddings times ``sqrt(hidden_size)`` (``embedding_multiplier``). Qwen3-MoE is
@@ -16,7 +17,9 @@ expert (``mlp.shared_expert``, our ``shared_experts``) gated per token by ``sigm
 ``post_feedforward_layernorm``), soft-caps its attention scores and output logits, scales the scores by
 ``query_pre_attn_scalar ** -0.5`` and windows the layers ``layer_types`` marks ``sliding_attention``. OLMo-2 is a
 Llama whose norms sit on each sub-block's output only (``"post_sublayer"``) and whose q/k RMSNorms span all heads
-(``qk_layernorm_across_heads``: weights of ``heads * head_dim``, read whole by every tp rank).
+(``qk_layernorm_across_heads``: weights of ``heads * head_dim``, read whole by every tp rank). Gemma 3 (text) is a
+Gemma 2 with per-head q/k norms and no soft-caps by default, whose windowed layers rotate by their own base
+(``window_rotary_base``).
 
 Balancing loss of the MoE families: transformers adds ``router_aux_loss_coef`` times its ``load_balancing_loss_func``
 (pooled over all layers' router logits) to the training loss only with ``output_router_logits=true``. The import
@@ -73,7 +76,8 @@ _LAYER_NORMS: Dict[str, Dict[str, str]] = {
     "pre": {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
     "sandwich": {"attention_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
                  "mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
-    "post_sublayer": {"attention_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
+    "post_sublayer": {"attention_output_norm": "post_attention_layernorm",
+                      "mlp_output_norm": "post_feedforward_layernorm"},
 }
 
 

@@ -101,9 +101,11 @@ class SelfAttention(nn.Module):
             init_method=init_method_normal(config.output_layer_init_std),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
             comm_overlap=config.tp_comm_overlap)
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base, config.rope_scaling)
-                       if config.position_embedding_type == "rope" else None)
         self.window = config.window_of(layer_number)
+        local_base = config.window_rotary_base if self.window is not None else None   # Gemma 3's local layers
+        self.rotary = (RotaryEmbedding(config.rotary_dim, local_base or config.rotary_base,
+                                       None if local_base else config.rope_scaling)
+                       if config.position_embedding_type == "rope" else None)
         if config.attn_logit_softcapping is not None and state.cp_size > 1:
             raise ValueError(f"TransformerConfig.attn_logit_softcapping={config.attn_logit_softcapping} with "
                              f"context_parallel_size={state.cp_size}: soft-capped attention is not implemented under "
@@ -114,7 +116,8 @@ class SelfAttention(nn.Module):
         if config.qk_layernorm and config.qk_layernorm_across_heads:   # OLMo-2: one norm over every head
             self.q_norm, self.k_norm = (
                 AcrossHeadsRMSNorm(heads, config.head_dim, config.layernorm_epsilon, config.params_dtype,
-                                   config.layernorm_zero_centered_gamma) for heads in (config.num_attention_heads, groups))
+                                   config.layernorm_zero_centered_gamma)
+                for heads in (config.num_attention_heads, groups))
         elif config.qk_layernorm:   # over each head's channels; the weight is shared by all heads, so by all tp ranks
             self.q_norm, self.k_norm = build_norm(config, config.head_dim), build_norm(config, config.head_dim)
             for param in (*self.q_norm.parameters(), *self.k_norm.parameters()):
@@ -174,7 +177,8 @@ class SelfAttention(nn.Module):
         state = get_parallel_state()
         window = self.window if self.window is not None and s * state.cp_size > self.window else None
         if window is not None and not causal:
-            raise ValueError(f"TransformerConfig.sliding_window={window} with attn_mask_type={self.config.attn_mask_type!r}: "
+            raise ValueError(f"TransformerConfig.sliding_window={window} with attn_mask_type="
+                             f"{self.config.attn_mask_type!r}: "
                              f"sliding windows here are causal; use attn_mask_type='causal' or sliding_window=None.")
         scale, softcap = self.config.softmax_scale, self.config.attn_logit_softcapping
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks

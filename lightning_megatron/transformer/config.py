@@ -53,7 +53,7 @@ class TransformerConfig:
     Gemma 2/3: ``layernorm_order="sandwich"`` (norms before and after each sub-block; OLMo-2's
     ``"post_sublayer"`` has only those after), ``softmax_scale`` (their ``query_pre_attn_scalar ** -0.5``),
     ``attn_logit_softcapping`` and ``final_logit_softcapping`` (``c * tanh(x / c)`` on the attention scores and on
-    the output logits).
+    the output logits); Gemma 3's windowed layers rotate by ``window_rotary_base`` without ``rope_scaling``.
     Gemma: ``activation="geglu"`` (gate and up projections, tanh-approximated GELU on the gate),
     ``layernorm_zero_centered_gamma`` (Megatron-Core's name: every norm scales by ``1 + weight``, computed in
     float32, weights stored centred on 0) and ``embedding_multiplier`` (``sqrt(hidden_size)``, in the
@@ -93,6 +93,7 @@ class TransformerConfig:
     rope_scaling: Optional[Dict[str, Any]] = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
     sliding_window: Optional[int] = None           # a query sees at most this many keys, itself included (Mistral)
     sliding_window_layers: Optional[Tuple[int, ...]] = None   # 1-based layers with the window; None: every layer
+    window_rotary_base: Optional[float] = None     # windowed layers' rotary base, no rope_scaling (Gemma 3's local)
     softmax_scale: Optional[float] = None          # attention scores times this; None: 1 / sqrt(head_dim)
     attn_logit_softcapping: Optional[float] = None   # scores -> c * tanh(scores / c) before the softmax (Gemma 2)
     final_logit_softcapping: Optional[float] = None  # the output logits likewise, before the loss (Gemma 2)
@@ -168,6 +169,9 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.qk_layernorm_across_heads=True needs qk_layernorm=True (it says how "
                              f"the query/key norms span the heads) and normalization='RMSNorm', got qk_layernorm="
                              f"{self.qk_layernorm}, normalization={self.normalization!r}.")
+        if self.window_rotary_base is not None and (self.sliding_window is None or self.window_rotary_base <= 0):
+            raise ValueError(f"TransformerConfig.window_rotary_base={self.window_rotary_base} needs a sliding_window "
+                             f"(it is the windowed layers' rotary base) and must be positive.")
         layers = self.sliding_window_layers
         if layers is None:
             return

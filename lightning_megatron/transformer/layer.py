@@ -149,7 +149,8 @@ class TransformerLayer(nn.Module):
         pieces = []
         if "attn" in scope:
             pieces.append(GraphPiece("attention_block", self._attention_block, self._attention_block,
-                                     [self.attention_norm, self.attention, self.attention_output_norm], name="attn", segments=(0, 0), **static))
+                                     [self.attention_norm, self.attention, self.attention_output_norm], name="attn",
+                                     segments=(0, 0), **static))
         if "mlp" in scope:
             pieces.append(GraphPiece("mlp_block", self._mlp_block, self._mlp_block,
                                      [self.mlp_norm, self.mlp, self.mlp_output_norm],

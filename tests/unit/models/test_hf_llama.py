@@ -42,9 +42,11 @@ FAMILIES = {
                      sliding_window=6)),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-    # biases on q/k/v only (random here: transformers initialises them to zero), GQA 4:2, untied
+    # biases on q/k/v only (random here: transformers initialises them to zero), GQA 4:2, untied, a window of 6 on
+    # the layers from max_window_layers=1 on (the second)
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False,
+              dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=True,
+                   sliding_window=6, max_window_layers=1,
                    rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
                                         original_max_position_embeddings=8))),
     # query/key RMSNorms per head (random weights here), head_dim 32 != 64/4, tied embeddings
@@ -69,6 +71,14 @@ FAMILIES = {
                dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=32, pad_token_id=0, sliding_window=6,
                     query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=4.0,
                     initializer_range=0.2)),
+    # Gemma 2's layers with per-head (1 + weight) q/k norms and no soft-caps; windowed layers 1 and 3 rotate by their
+    # own base (10^4), the others by 10^6 with linear scaling
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=32, pad_token_id=0, sliding_window=6,
+                         query_pre_attn_scalar=24,
+                         layer_types=["sliding_attention", "full_attention"] * 2,
+                         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     # norms on each sub-block's output only; q/k RMSNorms over all heads at once (weights of 4·16 and 2·16)
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
               dict(num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0)),
@@ -87,6 +97,7 @@ LAYOUTS = {
     "qwen3_moe": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1), (2, 2, 1, None, 1)],
     # soft-capped attention is refused under context parallelism
     "gemma2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, 2, 1), (2, 2, 1, None, 1)],
+    "gemma3_text": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 1, 1, None, 2), (1, 2, 1, 2, 1), (2, 2, 1, None, 1)],
     "olmo2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
 }
 
@@ -324,7 +335,7 @@ def _one_sgd_step_like_transformers(path, ids, labels, export_to):
             if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2"])
 def test_one_training_step_equals_transformers(families, kind, tmp_path):
     fam = families[kind]
     pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],

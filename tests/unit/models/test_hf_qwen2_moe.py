@@ -60,7 +60,10 @@ def test_config_and_refusals():
     assert (moe.shared_expert_ffn_hidden_size, moe.shared_expert_gate, moe.pre_softmax) == (40, True, True)
     assert config_from_hf(hf).qkv_bias and not config_from_hf(dict(hf, qkv_bias=False)).qkv_bias
     assert (moe.aux_loss_coeff, config_from_hf(dict(hf, output_router_logits=True)).moe.aux_loss_type) == (0.0, "hf_pooled")
-    for key, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [0]), ("shared_expert_intermediate_size", 0),
-                       ("use_sliding_window", True)):
+    windowed = config_from_hf(dict(hf, use_sliding_window=True, sliding_window=5, max_window_layers=1))
+    assert (windowed.sliding_window, windowed.sliding_window_layers) == (5, (2,))   # layers from max_window_layers on
+    with pytest.raises(ValueError, match="layer_types in config.json must give one of"):
+        config_from_hf(dict(hf, use_sliding_window=True, sliding_window=5, layer_types=["chunked_attention"] * 2))
+    for key, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [0]), ("shared_expert_intermediate_size", 0)):
         with pytest.raises(ValueError, match=key):
             config_from_hf(dict(hf, **{key: value}))
