@@ -292,6 +292,11 @@ MUTATIONS: List[Mutation] = [
              'first = hf.get("max_window_layers", layers)', "first = 0",
              ("tests/unit/models/test_hf_qwen2_moe.py::test_config_and_refusals",),
              ci=False),
+    # LongRoPE: short factors while the positions stay within the original context (the positioned forward's)
+    Mutation("longrope-always-long", "lightning_megatron/transformer/rotary.py",
+             "return torch.where(positions.max() + 1 > self.original_context, long, inv_freq)", "return long",
+             ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[phi3_longrope]",),
+             ci=False),
     # Qwen3-MoE without norm_topk_prob keeps the top-k of a softmax over every expert (not renormalised)
     Mutation("qwen3-moe-topk-renormalised", "lightning_megatron/models/hf_config.py",
              'pre_softmax=qwen and not hf.get("norm_topk_prob", False)', "pre_softmax=False",

@@ -19,11 +19,12 @@ from .llama import LLAMA_DEFAULTS
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "gemma": "GemmaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM"}
 FUSED_FAMILIES = ("phi3",)       # one qkv_proj ([all q; all k; all v] rows) and one gate_up_proj ([gate; up])
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")   # biases on q/k/v only (Qwen2Attention; qwen2_moe: its qkv_bias)
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "gemma3_text")   # RMSNorms of the queries and keys (q_norm / k_norm)
-ACROSS_HEADS_QK_NORM_FAMILIES = ("olmo2",)   # ... over all heads' channels at once (the others: over each head's)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")   # RMSNorms of queries and keys (q/k_norm)
+ACROSS_HEADS_QK_NORM_FAMILIES = ("olmo2", "olmo3")   # ... over all heads' channels at once (the others: each head's)
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 QWEN_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")   # softmax over every expert, top-k renormalised with norm_topk_prob
 # where each MoE family keeps a layer's router and experts, and its names of an expert's gate, up and down projections
@@ -34,11 +35,12 @@ SHARED_EXPERT = "mlp.shared_expert."   # Qwen2-MoE's shared expert (gate/up/down
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")   # sliding_window applies to every layer
 QWEN_FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")   # windows (use_sliding_window) from max_window_layers on
 # sliding_window on the layers whose layer_types entry is "sliding_attention" (each family's default when absent)
-LAYER_TYPED_WINDOWS = ("gemma2", "gemma3_text") + QWEN_FAMILIES
+LAYER_TYPED_WINDOWS = ("gemma2", "gemma3_text", "olmo3") + QWEN_FAMILIES
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")   # GeGLU, norms scaling by 1 + weight, embeddings times sqrt(h)
 SOFTCAPPED_FAMILIES = ("gemma2", "gemma3_text")   # query_pre_attn_scalar, attn_ and final_logit_softcapping
-LOCAL_ROPE_FAMILIES = ("gemma3_text",)   # rope_parameters per layer type: the windowed layers' own base
-LAYERNORM_ORDERS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post_sublayer"}   # else "pre"
+LOCAL_ROPE_FAMILIES = ("gemma3_text", "olmo3")   # rope_parameters per layer type: the windowed layers' own base
+LAYERNORM_ORDERS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post_sublayer",
+                    "olmo3": "post_sublayer"}   # else "pre"
 WINDOW_LAYER_TYPES = ("sliding_attention", "full_attention")
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
@@ -69,9 +71,10 @@ def _rope(hf: dict) -> Tuple[float, Optional[dict]]:
     if kind == "default":
         return float(base), None
     params["rope_type"] = kind
-    if kind in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-    if kind == "yarn" and params.get("factor") is None:   # transformers: the context's growth
+    if kind in ("llama3", "yarn", "longrope", "dynamic"):
+        params.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings")
+                          or hf.get("max_position_embeddings"))
+    if kind in ("yarn", "longrope") and params.get("factor") is None:   # transformers: the context's growth
         params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
     return float(base), params
 
@@ -167,22 +170,25 @@ def _global_rope(hf: dict) -> dict:
 
 
 def _local_rope_base(hf: dict) -> float:
-    """The windowed layers' rotary base (Gemma 3: ``rope_local_base_freq``, 10000 by default), refusing a scaling."""
+    """The windowed layers' rotary base (Gemma 3: ``rope_local_base_freq``, 10000 by default; OLMo-3: the global one
+    by default), refusing a scaling."""
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters['sliding_attention'] of rope_type {local['rope_type']!r} in config.json is "
                          f"not supported: the windowed layers here rotate without scaling.")
-    return float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+    default = hf.get("rope_local_base_freq", 10_000.0) if hf.get("model_type") == "gemma3_text" else _rope(
+        _global_rope(hf))[0]
+    return float(local.get("rope_theta", default))
 
 
 def _default_layer_types(hf: dict, model_type: str, layers: int) -> List[str]:
     """transformers' default ``layer_types``: Gemma 2 alternates from a windowed first layer, Gemma 3 windows all but
-    every ``sliding_window_pattern``-th (6), Qwen windows the layers from ``max_window_layers`` on."""
+    every ``sliding_window_pattern``-th (6; OLMo-3 every 4th), Qwen windows the layers from ``max_window_layers`` on."""
     sliding, full = WINDOW_LAYER_TYPES
     if model_type == "gemma2":
         return [sliding if i % 2 == 0 else full for i in range(layers)]
-    if model_type == "gemma3_text":
-        pattern = hf.get("sliding_window_pattern") or 6
+    if model_type in ("gemma3_text", "olmo3"):   # OLMo-3: every 4th layer full
+        pattern = hf.get("sliding_window_pattern") or (6 if model_type == "gemma3_text" else 4)
         return [sliding if (i + 1) % pattern else full for i in range(layers)]
     first = hf.get("max_window_layers", layers)
     return [sliding if i >= first else full for i in range(layers)]
@@ -222,7 +228,8 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     config, if any) with every structural key replaced by the model's own."""
     c = model.config
     if model_type is None:
-        by_order = {"sandwich": "gemma3_text" if c.qk_layernorm else "gemma2", "post_sublayer": "olmo2"}
+        by_order = {"sandwich": "gemma3_text" if c.qk_layernorm else "gemma2",
+                    "post_sublayer": "olmo3" if c.sliding_window else "olmo2"}
         model_type = (base or {}).get("model_type") or ("mixtral" if c.moe is not None else None) or \
             by_order.get(c.layernorm_order) or (
             "gemma" if c.layernorm_zero_centered_gamma else "qwen3" if c.qk_layernorm else "qwen2" if c.qkv_bias
@@ -286,10 +293,10 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     elif model_type in ("gemma2", "gemma3_text"):
         out.update(_gemma2_keys(c))
         out.pop("hidden_activation", None)
-        if model_type == "gemma3_text":
-            local = c.window_rotary_base or c.rotary_base
-            out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
-                "rope_type": "default", "rope_theta": local}}, rope_local_base_freq=local)
+    elif model_type == "olmo3":
+        out.update(attention_bias=False, sliding_window=c.sliding_window,
+                   layer_types=[WINDOW_LAYER_TYPES[0 if c.window_of(n) is not None else 1]
+                                for n in range(1, c.num_layers + 1)])
     elif model_type == "olmo2":
         if c.sliding_window:
             raise ValueError("model_type='olmo2' has no sliding window; export with sliding_window=None.")
@@ -308,6 +315,12 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
             out.update(attention_bias=False)
     else:
         out["sliding_window"] = c.sliding_window
+    if model_type in LOCAL_ROPE_FAMILIES:   # rope_parameters per layer type
+        local = c.window_rotary_base or c.rotary_base
+        out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": local}})
+        if model_type == "gemma3_text":
+            out["rope_local_base_freq"] = local
     if model_type in MOE_FAMILIES and c.moe is None:
         raise ValueError(f"model_type={model_type!r} describes a mixture-of-experts model, but this model has no "
                          f"TransformerConfig.moe; use model_type='llama' or 'mistral'.")

@@ -1,5 +1,5 @@
 """Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Phi-3 / Gemma / Gemma 2 / Gemma 3 /
-OLMo-2 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
+OLMo-2 / OLMo-3 checkpoints in and out of a ``LlamaModel`` at any TP/PP/EP layout.
 
 Qwen2 is a Llama with biases on the query/key/value projections (``add_qkv_bias``), laid out as the weights'
 rows; Qwen3 one with RMSNorms over each head's queries and keys (``qk_layernorm``). Their sliding windows
@@ -19,7 +19,7 @@ expert (``mlp.shared_expert``, our ``shared_experts``) gated per token by ``sigm
 Llama whose norms sit on each sub-block's output only (``"post_sublayer"``) and whose q/k RMSNorms span all heads
 (``qk_layernorm_across_heads``: weights of ``heads * head_dim``, read whole by every tp rank). Gemma 3 (text) is a
 Gemma 2 with per-head q/k norms and no soft-caps by default, whose windowed layers rotate by their own base
-(``window_rotary_base``).
+(``window_rotary_base``); OLMo-3 is an OLMo-2 with such windows and bases.
 
 Balancing loss of the MoE families: transformers adds ``router_aux_loss_coef`` times its ``load_balancing_loss_func``
 (pooled over all layers' router logits) to the training loss only with ``output_router_logits=true``. The import

@@ -22,9 +22,14 @@ ROPE_SCALINGS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    # Phi-3's LongRoPE: per-frequency factors, the long ones past the original context (rotary.py)
+    "longrope": ("factor", "short_factor", "long_factor", "original_max_position_embeddings"),
+    # dynamic NTK: the default frequencies up to the original context, longer sequences refused (rotary.py)
+    "dynamic": ("factor", "original_max_position_embeddings"),
 }
 # keys a type may have besides those it needs (transformers' defaults apply when absent)
-ROPE_SCALING_OPTIONS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+ROPE_SCALING_OPTIONS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+                        "longrope": ("attention_factor",)}
 # why each size must divide by the tensor-parallel size (said in the error)
 HEADS_SPLIT = "each tensor-parallel rank holds whole heads"
 FFN_SPLIT = "each tensor-parallel rank holds an equal slice of the MLP's hidden units"

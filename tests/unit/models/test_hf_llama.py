@@ -55,6 +55,15 @@ FAMILIES = {
     # Hugging Face's fused qkv_proj ([all q; all k; all v]) and gate_up_proj, one key/value head per query head
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
              dict(num_hidden_layers=2, num_key_value_heads=4, pad_token_id=0)),
+    # LongRoPE: one factor per frequency, the long ones since 16 tokens pass the original context of 12; the second
+    # forward's positions (at most 10) stay within it and take the short ones
+    "phi3_longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
+                      dict(num_hidden_layers=2, num_key_value_heads=4, pad_token_id=0,
+                           original_max_position_embeddings=12,
+                           rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                                                long_factor=[1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 10.0],
+                                                original_max_position_embeddings=12))),
     # GeGLU, norms scaling by 1 + weight (random here: transformers starts them at 0), embeddings times sqrt(h),
     # head_dim 32 != 64/4 (Gemma's 256), GQA 4:2, tied embeddings
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM,
@@ -79,6 +88,12 @@ FAMILIES = {
                          layer_types=["sliding_attention", "full_attention"] * 2,
                          rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                                           "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    # OLMo-2's layers, a window of 6 on all but every 4th layer (layer_types' default), the windowed layers rotating by
+    # a base of their own
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM,
+              dict(num_hidden_layers=4, num_key_value_heads=2, pad_token_id=0, sliding_window=6,
+                   rope_parameters={"full_attention": dict(rope_type="default", rope_theta=5e5),
+                                    "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     # norms on each sub-block's output only; q/k RMSNorms over all heads at once (weights of 4·16 and 2·16)
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
               dict(num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0)),
@@ -93,11 +108,14 @@ LAYOUTS = {
               (2, 2, 1, None, 1)],
     "qwen3": [(1, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "phi3": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, None, 1), (2, 2, 1, None, 1)],
+    # (explicit position_ids with LongRoPE are refused under context parallelism, and this test passes them)
+    "phi3_longrope": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, None, 1), (2, 2, 1, None, 1)],
     "gemma": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 2, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "qwen3_moe": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 1, 2, None, 1), (2, 1, 2, None, 1), (2, 2, 1, None, 1)],
     # soft-capped attention is refused under context parallelism
     "gemma2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 2, 1, 2, 1), (2, 2, 1, None, 1)],
     "gemma3_text": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (1, 1, 1, None, 2), (1, 2, 1, 2, 1), (2, 2, 1, None, 1)],
+    "olmo3": [(1, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
     "olmo2": [(1, 1, 1, None, 1), (2, 1, 1, None, 1), (4, 1, 1, None, 1), (1, 1, 1, None, 2), (2, 2, 1, None, 1)],
 }
 
@@ -118,7 +136,7 @@ def families(tmp_path_factory):
                     param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
                 elif kind.startswith("gemma") and name.endswith("norm.weight"):   # zero-centred: 0 is the identity
                     param.normal_(0.0, 0.5)
-                elif kind == "olmo2" and name.endswith("layernorm.weight"):   # which norm is which shows
+                elif kind.startswith("olmo") and name.endswith("layernorm.weight"):   # which norm is which shows
                     param.normal_(1.0, 0.5)
                 elif kind.startswith("gemma") and name.endswith("gate_proj.weight"):   # gates of order 1, where the tanh
                     param.normal_(0.0, 0.3)                                   # GELU is not the exact one
@@ -284,9 +302,15 @@ def test_errors_name_the_field():
 
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by num_query_groups=3"):
         TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=3)
-    with pytest.raises(ValueError, match=r"rope_scaling\['rope_type'\]='longrope' is not supported"):
+    with pytest.raises(ValueError, match=r"rope_scaling\['rope_type'\]='mrope' is not supported"):
         TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, position_embedding_type="rope",
-                          rope_scaling={"rope_type": "longrope", "factor": 2.0})
+                          rope_scaling={"rope_type": "mrope", "factor": 2.0})
+    from lightning_megatron.transformer.rotary import RotaryEmbedding
+
+    with pytest.raises(ValueError, match="'longrope' needs short_factor and long_factor of 2 entries"):
+        RotaryEmbedding(4, scaling=dict(rope_type="longrope", factor=2.0, short_factor=[1.0] * 3, long_factor=[1.0] * 3,
+                                        original_max_position_embeddings=8))
+    run_on_ranks(_dynamic_rope_within_and_beyond_the_original_context, 1, timeout=60)
     with pytest.raises(ValueError, match=r"rope_type 'yarn' needs .*missing \['original_max_position_embeddings'\]"):
         TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, position_embedding_type="rope",
                           rope_scaling={"rope_type": "yarn", "factor": 2.0})
@@ -302,6 +326,17 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match="hidden_act='gelu' in config.json is not supported"):
         config_from_hf(dict(model_type="llama", hidden_act="gelu"))
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(123) == 123
+
+
+def _dynamic_rope_within_and_beyond_the_original_context():
+    from lightning_megatron.transformer.rotary import RotaryEmbedding
+
+    ParallelState(ParallelLayout(1)).activate()
+    dynamic = RotaryEmbedding(4, scaling=dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=8))
+    cos, _ = dynamic(8, torch.device("cpu"), torch.float32)   # within the original context: the default angles
+    torch.testing.assert_close(cos, RotaryEmbedding(4)(8, torch.device("cpu"), torch.float32)[0])
+    with pytest.raises(ValueError, match="sequence length 9 exceeds rope_scaling 'dynamic''s"):
+        dynamic(9, torch.device("cpu"), torch.float32)
 
 
 def test_partial_rotary_rotates_the_first_channels_only():
@@ -335,7 +370,7 @@ def _one_sgd_step_like_transformers(path, ids, labels, export_to):
             if name != "lm_head.weight" or not hf.config.tie_word_embeddings}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3"])
 def test_one_training_step_equals_transformers(families, kind, tmp_path):
     fam = families[kind]
     pairs = run_on_ranks(_one_sgd_step_like_transformers, 1, fam["path"], fam["ids"], fam["labels"],
