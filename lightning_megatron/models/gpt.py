@@ -114,6 +114,13 @@ class GPTModel(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        moe = self.config.moe
+        if attention_mask is not None and moe is not None and moe.aux_loss_type == "hf_pooled" and \
+                moe.aux_loss_coeff > 0 and self.training:
+            raise ValueError("GPTModel.forward with attention_mask under aux_loss_type='hf_pooled' (transformers' "
+                             "balancing loss, which leaves the masked tokens out): the routers here see no mask, so "
+                             "padding would count; train on packed rows (document_ids, no padding), or with "
+                             "MoEConfig(aux_loss_type='per_layer') or router_aux_loss_coef 0.")
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         else:

@@ -24,8 +24,9 @@ softmax scores (:class:`AttachPooledLoss`); the constant needs every layer's cou
   gradient accumulation (one loss per forward).
 
 Reported: the whole loss, on the last stage's last router, divided by the tp-cp size (``collect_aux_losses`` over
-the tp-cp group gives it once); every other router reports zero. Padding is not excluded (transformers excludes
-the tokens its ``attention_mask`` masks; the MoE layers here see no mask).
+the tp-cp group gives it once); every other router reports zero. transformers leaves the tokens its
+``attention_mask`` masks out of the loss; the MoE layers here see no mask, so ``GPTModel`` refuses a training forward
+with an ``attention_mask`` under this loss (packed rows have no padding).
 """
 
 from __future__ import annotations

@@ -397,6 +397,24 @@ def test_moe_imports_choose_transformers_balancing_loss():
     assert config_from_hf(hf, moe=chosen).moe.aux_loss_type == "per_layer"
 
 
+def _pooled_loss_with_padding():
+    ParallelState(ParallelLayout(1)).activate()
+    hf = dict(model_type="mixtral", num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=4,
+              num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+              vocab_size=VOCAB)
+    model = LlamaModel(config_from_hf(hf), **model_kwargs_from_hf(hf))
+    ids, mask = torch.randint(0, VOCAB, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_mask under aux_loss_type='hf_pooled'"):
+        model.train()(ids, attention_mask=mask, labels=ids)
+    model.eval()(ids, attention_mask=mask)   # no loss to take padding into: allowed
+
+
+def test_pooled_balancing_loss_refuses_padding_masks():
+    """transformers leaves masked tokens out of its balancing loss; the routers see no mask, so training with one
+    is refused rather than counting the padding."""
+    run_on_ranks(_pooled_loss_with_padding, 1, timeout=60)
+
+
 def _phi3_grouped(path, ids, ref_logits, export_to):
     ParallelState(ParallelLayout(dist.get_world_size(), tp=dist.get_world_size())).activate()
     from lightning_megatron.models.hf_llama import llama_from_hf
