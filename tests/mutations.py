@@ -297,6 +297,10 @@ MUTATIONS: List[Mutation] = [
              "return torch.where(positions.max() + 1 > self.original_context, long, inv_freq)", "return long",
              ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[phi3_longrope]",),
              ci=False),
+    Mutation("across-heads-norm-grads-not-summed-over-tp", "lightning_megatron/transformer/qk_norm.py",
+             "        self.weight.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute",
+             "        pass",
+             (f"{STRATEGY}/test_hf_dense_step.py::test_one_trainer_step_equals_transformers[olmo2-tp2sp]",), ci=False),
     # Qwen3-MoE without norm_topk_prob keeps the top-k of a softmax over every expert (not renormalised)
     Mutation("qwen3-moe-topk-renormalised", "lightning_megatron/models/hf_config.py",
              'pre_softmax=qwen and not hf.get("norm_topk_prob", False)', "pre_softmax=False",
