@@ -41,6 +41,7 @@ class GPTModel(nn.Module):
     and its gradient in one fused pass over them in the forward (no float32 softmax copies, no second
     pass in the backward: the fastest path); None (default): where its Triton kernels run (CUDA), else the
     unfused ``vocab_parallel_cross_entropy(logits)``; True/False to force it (True on the CPU: torch passes).
+    ``TransformerConfig.final_logit_softcapping`` caps the logits on every one of these paths.
 
     ``pipeline_layout``: which layers each pipeline stage builds. None (default) or ``"balanced"``: stages
     balanced by counted cost at ``max_sequence_length`` (the embedding on the first, the output layer and
@@ -77,12 +78,6 @@ class GPTModel(nn.Module):
         if fused_cross_entropy is False and cross_entropy_chunk_size is not None:
             raise ValueError(f"GPTModel cross_entropy_chunk_size={cross_entropy_chunk_size} fuses the loss with the "
                              f"output layer, fused_cross_entropy=False asks for the unfused loss: drop one of them.")
-        if config.final_logit_softcapping is not None and (cross_entropy_chunk_size is not None or fused_cross_entropy):
-            raise ValueError(f"GPTModel with TransformerConfig.final_logit_softcapping="
-                             f"{config.final_logit_softcapping}: "
-                             f"the fused losses (cross_entropy_chunk_size, fused_cross_entropy=True) take the output "
-                             f"layer's logits as they are; leave both unset (the loss then follows the soft-capped "
-                             f"logits).")
         self.cross_entropy_chunk_size = cross_entropy_chunk_size
         self.fused_cross_entropy = fused_cross_entropy
         self.pre_process, self.post_process = chunk_position(vp_rank)
@@ -134,11 +129,11 @@ class GPTModel(nn.Module):
         weight = self.output_weight if self.output_weight is not None else self.embedding.word_embeddings.weight
         capping = self.config.final_logit_softcapping
         fused = self.cross_entropy_chunk_size is not None or self.fused_cross_entropy or (
-            self.fused_cross_entropy is None and capping is None and fused_kernels_run(hidden))
+            self.fused_cross_entropy is None and fused_kernels_run(hidden))
         if labels is not None and fused:   # the loss fused with the output layer (chunked: logits never whole)
             return parallel_linear_cross_entropy(
                 hidden, weight, labels.t(), self.config.sequence_parallel, label_smoothing=self.label_smoothing,
-                vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size).t()
+                vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size, logit_softcapping=capping).t()
         logits = parallel_logits(hidden, weight, self.config.sequence_parallel)          # [s, b, V/tp]
         if capping is not None:   # Gemma 2: elementwise, so each tp rank caps its own vocabulary slice
             logits = torch.tanh(logits / capping) * capping

@@ -21,6 +21,9 @@ Extra memory is O(chunk × V/tp) instead of O(tokens × V/tp). Computing the gra
 forward instead would save the GEMM, but ``grad_weight = Σ_t g_t · dlogits_tᵀ h_t`` needs the
 per-token output gradients ``g_t``, which only the backward knows (the loss is returned per token).
 
+``logit_softcapping`` c (Gemma 2): each chunk's logits become ``c · tanh(logits / c)`` (in their dtype, as the
+unfused path caps them) before the statistics, and their gradient is the capped logits' times ``1 - (capped / c)²``.
+
 The result equals ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), ...)``: padding
 columns beyond ``vocab_size`` take no mass (their rows are not even multiplied), label smoothing
 is over the global vocabulary, ``ignore_index`` tokens give loss 0 and no gradient.
@@ -154,9 +157,22 @@ def _chunk_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, s
     return torch.mul(grad, scale[:, None], out=out)   # rounded to the logits' dtype, as unfused
 
 
+def _capped(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` in the logits' dtype (as ``GPTModel`` caps the unfused logits), or the logits."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _uncap_grad(grad: torch.Tensor, capped: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """d loss / d logits from d loss / d capped logits: times ``1 - tanh²`` (``capped / cap`` is the tanh)."""
+    if cap is None:
+        return grad
+    return (grad.float() * (1.0 - (capped.float() / cap) ** 2)).to(grad.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, vocab_size, chunk_size, group):
+    def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, vocab_size, chunk_size, group,
+                cap):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         partition = weight.shape[0]
         start = rank * partition
@@ -177,7 +193,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         logits = None
         with torch.autocast(hidden.device.type, enabled=False):
             for lo, hi in _chunks(n, n if whole else chunk_size) if real > 0 and n > 0 else ():
-                logits = F.linear(hidden[lo:hi], w, b)                                   # [c, real], input dtype
+                logits = _capped(F.linear(hidden[lo:hi], w, b), cap)                     # [c, real], input dtype
                 _chunk_stats(logits, local_target[lo:hi], smoothing, stats[:, lo:hi])
                 if not whole:
                     del logits
@@ -196,11 +212,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
         ctx.label_smoothing, ctx.vocab_size, ctx.real, ctx.chunk_size = label_smoothing, vocab_size, real, chunk_size
+        ctx.cap = cap
         if whole:   # d loss_t / d logits_t for every token now, over the logits (the Triton pass) or beside them
             grad_logits = None
             if logits is not None and any(ctx.needs_input_grad[:3]):
                 ones = (~ignored).to(torch.float32)
+                slope = None if cap is None else 1.0 - (logits.float() / cap) ** 2   # before the pass overwrites them
                 grad_logits = _chunk_grad(logits, local_target, lse, ones, label_smoothing, vocab_size)
+                if slope is not None:
+                    grad_logits = (grad_logits.float() * slope).to(grad_logits.dtype)
             del logits
             ctx.save_for_backward(hidden, weight, bias, ignored, grad_logits)
         else:
@@ -225,10 +245,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         with torch.autocast(hidden.device.type, enabled=False):
             for lo, hi in _chunks(n, ctx.chunk_size) if real > 0 else ():
-                logits = F.linear(hidden[lo:hi], w, b)
-                grad_logits = _chunk_grad(logits, local_target[lo:hi], lse[lo:hi], scale[lo:hi],
-                                          ctx.label_smoothing, ctx.vocab_size)
-                del logits
+                logits = _capped(F.linear(hidden[lo:hi], w, b), ctx.cap)
+                capped = logits if ctx.cap is None else logits.clone()   # the Triton pass writes over its input
+                grad_logits = _uncap_grad(_chunk_grad(logits, local_target[lo:hi], lse[lo:hi], scale[lo:hi],
+                                                      ctx.label_smoothing, ctx.vocab_size), capped, ctx.cap)
+                del logits, capped
                 if grad_hidden is not None:   # need_hidden
                     torch.mm(grad_logits, w, out=grad_hidden[lo:hi])
                 if grad_weight is not None:   # the GEMM adds into the weight gradient (beta = 1): no temporary
@@ -238,7 +259,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
         if grad_bias is not None and bias_sum is not None:   # need_bias
             grad_bias[:real] = bias_sum
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _whole_backward(ctx, grad_loss):
@@ -253,7 +274,7 @@ def _whole_backward(ctx, grad_loss):
     grad_bias = torch.zeros_like(bias) if need_bias else None
     if grad_logits is None:   # a shard of padding rows only: no logits, no gradient
         return (torch.zeros_like(hidden) if need_hidden else None), grad_weight, grad_bias, \
-            None, None, None, None, None, None
+            None, None, None, None, None, None, None
     grad_hidden = None
     with torch.autocast(hidden.device.type, enabled=False):
         if need_hidden:
@@ -262,13 +283,14 @@ def _whole_backward(ctx, grad_loss):
             torch.mm(grad_logits.t(), (hidden.to(torch.float32) * g).to(hidden.dtype), out=grad_weight[:real])
         if grad_bias is not None:
             grad_bias[:real] = (grad_logits.t().to(torch.float32) @ g[:, 0]).to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, label_smoothing: float = 0.0, ignore_index: int = -100,
                          vocab_size: Optional[int] = None, chunk_size: Optional[int] = 4096,
-                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                         group: Optional[dist.ProcessGroup] = None,
+                         logit_softcapping: Optional[float] = None) -> torch.Tensor:
     """Per-token loss ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), target, ...)``
     (shape of ``target``; 0 where ``target == ignore_index``) without the whole logits.
 
@@ -278,7 +300,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     (default: every padded row is real). ``chunk_size``: tokens whose logits exist at once, recomputed in
     the backward; None: the logits whole, once, with their gradient made in the forward over them (one
     GEMM fewer than chunked, one fused pass instead of the unfused path's float32 softmax; the memory of one
-    ``[tokens, V/tp]`` logits tensor in the input dtype from the forward to the backward). Under autocast the projection runs in the autocast dtype, as ``F.linear`` would.
+    ``[tokens, V/tp]`` logits tensor in the input dtype from the forward to the backward). Under autocast the
+    projection runs in the autocast dtype, as ``F.linear`` would. ``logit_softcapping`` c: the loss of
+    ``c · tanh(logits / c)`` (Gemma 2's capped logits).
     """
     group = resolve_group(group)
     world = dist.get_world_size(group)
@@ -290,6 +314,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the padded vocabulary "
                          f"over {world} tensor-parallel ranks).")
+    if logit_softcapping is not None and not logit_softcapping > 0:
+        raise ValueError(f"logit_softcapping must be positive or None, got {logit_softcapping!r}.")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -307,7 +333,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias must share a dtype "
                          "(or run under autocast).")
     loss = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1),
-                                     float(label_smoothing), ignore_index, vocab_size, chunk_size, group)
+                                     float(label_smoothing), ignore_index, vocab_size, chunk_size, group,
+                                     logit_softcapping)
     return loss.view(target.shape)
 
 

@@ -46,7 +46,10 @@ def _run(fused, hidden, weight, bias, target, weights, **kwargs):
         loss = parallel_linear_cross_entropy(hidden, weight, target, False, bias=bias, **kwargs)
     else:
         kwargs.pop("chunk_size")
+        cap = kwargs.pop("logit_softcapping", None)
         logits = F.linear(copy_to_tensor_parallel_region(hidden), weight, bias)
+        if cap is not None:   # as GPTModel caps the unfused logits
+            logits = torch.tanh(logits / cap) * cap
         loss = vocab_parallel_cross_entropy(logits, target, **kwargs)
     (loss * weights).sum().backward()
     return loss.detach(), hidden.grad, weight.grad, bias.grad if bias is not None else None
@@ -76,6 +79,27 @@ def test_matches_unfused(world):
     assert run_on_ranks(_fused_equals_unfused, world, timeout=120) == [40] * world
 
 
+def _capped_equals_unfused():
+    state = tp_state()
+    hidden, weight, bias, target, weights = _inputs(state)
+    for chunk in (5, None):
+        for smoothing in (0.0, 0.1):
+            kwargs = dict(label_smoothing=smoothing, vocab_size=VOCAB, logit_softcapping=1.5)
+            ref = _run(False, hidden, weight, bias, target, weights, chunk_size=chunk, **kwargs)
+            out = _run(True, hidden, weight, bias, target, weights, chunk_size=chunk, **kwargs)
+            uncapped = _run(True, hidden, weight, bias, target, weights, chunk_size=chunk,
+                            **dict(kwargs, logit_softcapping=None))
+            for name, o, r, u in zip(("loss", "hidden", "weight", "bias"), out, ref, uncapped):
+                torch.testing.assert_close(o, r, **TIGHT, msg=lambda m: f"{name} {kwargs} {chunk}: {m}")
+                assert (o - u).abs().max() > 1e-2, name   # the cap of 1.5 bends logits of order 1: it shows
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_soft_capped_logits_match_unfused(world):
+    """Gemma 2's ``final_logit_softcapping``: the fused loss of ``c · tanh(logits / c)`` and its gradients."""
+    run_on_ranks(_capped_equals_unfused, world, timeout=120)
+
+
 def _low_precision(autocast):
     state = tp_state()
     dtype = torch.float32 if autocast else torch.bfloat16
@@ -98,10 +122,11 @@ def test_low_precision_matches_unfused(autocast):
     assert run_on_ranks(_low_precision, 2, autocast, timeout=60) == [(torch.float32, dtype, dtype)] * 2
 
 
-def _gpt_grads(sequence_parallel, tie, label_smoothing):
+def _gpt_grads(sequence_parallel, tie, label_smoothing, cap=None):
     state = ParallelState(ParallelLayout(dist.get_world_size(), tp=dist.get_world_size())).activate()
     cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
-                            attention_dropout=0.0, sequence_parallel=sequence_parallel)
+                            attention_dropout=0.0, sequence_parallel=sequence_parallel, final_logit_softcapping=cap,
+                            init_method_std=0.2 if cap else 0.02)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2, 8), generator=gen)
     labels = torch.randint(0, 100, (2, 8), generator=gen)
@@ -127,10 +152,11 @@ def _gpt_grads(sequence_parallel, tie, label_smoothing):
     return sorted(grads)
 
 
-@pytest.mark.parametrize("sequence_parallel,tie,label_smoothing", [(True, True, 0.1), (False, False, 0.0)],
-                         ids=["sp-tied-smoothing", "untied"])
-def test_gpt_model_fused_loss_and_grads_equal_unfused(sequence_parallel, tie, label_smoothing):
-    names = run_on_ranks(_gpt_grads, 2, sequence_parallel, tie, label_smoothing, timeout=120)[0]
+@pytest.mark.parametrize("sequence_parallel,tie,label_smoothing,cap",
+                         [(True, True, 0.1, None), (False, False, 0.0, None), (True, False, 0.0, 0.5)],
+                         ids=["sp-tied-smoothing", "untied", "sp-soft-capped"])
+def test_gpt_model_fused_loss_and_grads_equal_unfused(sequence_parallel, tie, label_smoothing, cap):
+    names = run_on_ranks(_gpt_grads, 2, sequence_parallel, tie, label_smoothing, cap, timeout=120)[0]
     assert ("output_weight" in names) != tie and "decoder.final_norm.weight" in names
 
 
