@@ -68,6 +68,7 @@ def _rope(hf: dict) -> Tuple[float, Optional[dict]]:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     base = params.get("rope_theta", hf.get("rope_theta")) or 10000.0
     kind = params.get("rope_type", params.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind   # Phi-3's first releases' name, read as longrope by transformers
     if kind == "default":
         return float(base), None
     params["rope_type"] = kind

@@ -292,6 +292,12 @@ def test_config_from_hf(families):
     assert model_kwargs_from_hf(families["gemma"]["path"])["tie_word_embeddings"] is True
     legacy = dict(json.load(open(os.path.join(families["gemma"]["path"], "config.json"))), hidden_act="gelu")
     assert config_from_hf(legacy).activation == "geglu"   # transformers reads the releases' "gelu" as tanh too
+    phi3 = json.load(open(os.path.join(families["phi3_longrope"]["path"], "config.json")))
+    longrope = config_from_hf(phi3).rope_scaling
+    assert longrope["rope_type"] == "longrope" and longrope["factor"] == 64 / 12
+    su = dict(phi3, rope_parameters=None, rope_scaling={"type": "su", **{
+        k: phi3["rope_parameters"][k] for k in ("short_factor", "long_factor")}})   # the first releases' form
+    assert config_from_hf(su).rope_scaling == longrope
     with pytest.raises(ValueError, match="hidden_act='relu' in config.json is not supported for Gemma"):
         config_from_hf(dict(legacy, hidden_act="relu"))
 
