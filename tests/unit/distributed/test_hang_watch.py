@@ -195,7 +195,7 @@ def test_after_sigterm_a_silent_peer_is_called_gone_within_seconds():
     assert seen_at == [(True, [])], seen_at
     assert handled                          # and the handler ran once the collective returned
     assert len(said0) == 1 and "rank 1 stopped answering for 3 s (after this process was sent SIGTERM" in said0[0]
-    assert took < 8, took                   # not the 30 s of dead_after_s
+    assert took < 15, took                  # not the 30 s of dead_after_s (3 s expected; slack for a loaded CI)
     assert said1 == []
 
 
@@ -304,7 +304,7 @@ def test_a_rank_stalled_in_python_is_named_on_every_rank(tmp_path):
                      r"distributed/test_hang_watch\.py:\d+ in on_train_batch_start", message), message
     assert re.search(r"\n  rank 0: training batch 3, stage 0, micro-batch \d, .*; waiting in a collective", message), \
         message
-    assert TIMEOUT_S <= after < TIMEOUT_S + 4, after
+    assert TIMEOUT_S <= after < TIMEOUT_S + 6, after   # the detection time, plus slack for a loaded 2-core CI
     print(message)
     print(f"stall named {after:.1f} s after the fault (timeout {TIMEOUT_S} s)")
 
@@ -317,7 +317,7 @@ def test_a_rank_that_skipped_a_collective_is_named_with_where_each_rank_is(tmp_p
     assert re.search(r"\n  rank 0: after training batch 3 \(between steps.*\); waiting in a collective; Python at "
                      r"distributed/distributed_c10d\.py:\d+ in all_reduce \(from distributed/test_hang_watch\.py:\d+ "
                      r"in on_train_batch_start\)", message), message
-    assert TIMEOUT_S <= after < TIMEOUT_S + 4, after
+    assert TIMEOUT_S <= after < TIMEOUT_S + 6, after   # the detection time, plus slack for a loaded 2-core CI
     print(message)
     print(f"skipped collective named {after:.1f} s after the fault (timeout {TIMEOUT_S} s)")
 
