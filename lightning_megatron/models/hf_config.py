@@ -42,6 +42,10 @@ LOCAL_ROPE_FAMILIES = ("gemma3_text", "olmo3")   # rope_parameters per layer typ
 LAYERNORM_ORDERS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post_sublayer",
                     "olmo3": "post_sublayer"}   # else "pre"
 WINDOW_LAYER_TYPES = ("sliding_attention", "full_attention")
+# multimodal checkpoints whose language model imports alone: its model_type and its tensors' name prefix on disk (the
+# vision tower is left out; the export is the language model, as that type)
+MULTIMODAL_TEXT = {"gemma3": ("gemma3_text", "language_model.")}
+TENSOR_PREFIX = "_lightning_megatron_tensor_prefix"   # in read_hf_config's dict of such a checkpoint
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 
@@ -49,17 +53,26 @@ GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 
 def read_hf_config(source: Union[str, os.PathLike, dict, Any]) -> dict:
-    """``config.json`` of a directory, a dict, or a ``transformers`` config object, as a dict."""
+    """``config.json`` of a directory, a dict, or a ``transformers`` config object, as a dict; a multimodal
+    checkpoint's (Gemma 3) as its language model's config, whose tensors carry ``TENSOR_PREFIX``."""
     if isinstance(source, dict):
-        return dict(source)
-    if hasattr(source, "to_dict"):
-        return source.to_dict()
-    file = os.path.join(os.fspath(source), "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: pass a Hugging Face Llama/Mistral/Mixtral directory "
-                                f"(config.json + safetensors).")
-    with open(file) as f:
-        return json.load(f)
+        hf = dict(source)
+    elif hasattr(source, "to_dict"):
+        hf = source.to_dict()
+    else:
+        file = os.path.join(os.fspath(source), "config.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file} not found: pass a Hugging Face Llama/Mistral/Mixtral directory "
+                                    f"(config.json + safetensors).")
+        with open(file) as f:
+            hf = json.load(f)
+    text = MULTIMODAL_TEXT.get(str(hf.get("model_type")))
+    if text is None or not isinstance(hf.get("text_config"), dict):
+        return hf
+    out = dict(hf["text_config"], model_type=text[0], **{TENSOR_PREFIX: text[1]})
+    if "tie_word_embeddings" in hf:   # the top level's (transformers reads it there for these models)
+        out["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return out
 
 
 def _rope(hf: dict) -> Tuple[float, Optional[dict]]:
@@ -274,7 +287,7 @@ def hf_config_of(model: GPTModel, model_type: Optional[str] = None, dtype: Optio
     if c.rope_scaling is not None:
         rope.update(c.rope_scaling)
     out = dict(base or {})
-    for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path"):
+    for stale in ("rope_scaling", "torch_dtype", "transformers_version", "_name_or_path", TENSOR_PREFIX):
         out.pop(stale, None)
     out.update({
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": model.vocab_size,

@@ -19,7 +19,9 @@ expert (``mlp.shared_expert``, our ``shared_experts``) gated per token by ``sigm
 Llama whose norms sit on each sub-block's output only (``"post_sublayer"``) and whose q/k RMSNorms span all heads
 (``qk_layernorm_across_heads``: weights of ``heads * head_dim``, read whole by every tp rank). Gemma 3 (text) is a
 Gemma 2 with per-head q/k norms and no soft-caps by default, whose windowed layers rotate by their own base
-(``window_rotary_base``); OLMo-3 is an OLMo-2 with such windows and bases.
+(``window_rotary_base``); OLMo-3 is an OLMo-2 with such windows and bases. A multimodal Gemma 3 checkpoint
+(``model_type="gemma3"``) imports its language model alone (``text_config``; tensors named ``language_model.*``) and
+exports it as ``gemma3_text``.
 
 Balancing loss of the MoE families: transformers adds ``router_aux_loss_coef`` times its ``load_balancing_loss_func``
 (pooled over all layers' router logits) to the training loss only with ``output_router_logits=true``. The import
@@ -62,7 +64,8 @@ from .gpt import GPTModel
 from .llama import LlamaModel
 from .hf_config import (  # noqa: F401  (the configuration's names, public here as before)
     ARCHITECTURES, FUSED_FAMILIES, GEMMA_ACTIVATION, GEMMA_FAMILIES, MOE_FAMILIES, MOE_NAMES, QK_NORM_FAMILIES,
-    QKV_BIAS_FAMILIES, QWEN_MOE_FAMILIES, SHARED_EXPERT, WINDOWED_FAMILIES, _fused, _moe_family, config_from_hf,
+    QKV_BIAS_FAMILIES, QWEN_MOE_FAMILIES, SHARED_EXPERT, TENSOR_PREFIX, WINDOWED_FAMILIES, _fused, _moe_family,
+    config_from_hf,
     hf_config_of, model_kwargs_from_hf, read_hf_config,
 )
 from .sharding import full_of, global_names
@@ -86,9 +89,10 @@ _LAYER_NORMS: Dict[str, Dict[str, str]] = {
 
 
 class SafetensorsSlices:
-    """Lazy, slice-wise access to a directory's safetensors (single file or sharded with an index)."""
+    """Lazy, slice-wise access to a directory's safetensors (single file or sharded with an index). ``prefix``:
+    only the tensors named with it, known by the rest of their names (a multimodal checkpoint's language model)."""
 
-    def __init__(self, path: Union[str, os.PathLike]) -> None:
+    def __init__(self, path: Union[str, os.PathLike], prefix: str = "") -> None:
         from safetensors import safe_open
 
         self._open = safe_open
@@ -103,6 +107,8 @@ class SafetensorsSlices:
                 self.files = {name: single for name in f.keys()}
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}.")
+        self.stored = {name[len(prefix):]: name for name in self.files if name.startswith(prefix)}
+        self.files = {short: self.files[name] for short, name in self.stored.items()}
         self._handles: Dict[str, Any] = {}
         self.elements_read = 0
 
@@ -113,7 +119,7 @@ class SafetensorsSlices:
         file = self.files[name]
         if file not in self._handles:
             self._handles[file] = self._open(file, framework="pt")
-        return self._handles[file].get_slice(name)
+        return self._handles[file].get_slice(self.stored[name])
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -334,10 +340,11 @@ def load_hf_llama(module: nn.Module, path: Union[str, os.PathLike]) -> int:
     ``LlamaModel`` chunk in ``module`` (every rank calls it; no communication). Each rank reads only
     the slices its parameters hold; returns how many elements it read."""
     state = get_parallel_state()
-    reader = SafetensorsSlices(path)
+    hf_config = read_hf_config(path)
+    reader = SafetensorsSlices(path, prefix=hf_config.get(TENSOR_PREFIX, ""))
     try:
         for chunk in gpt_chunks(module):
-            chunk.hf_config = read_hf_config(path)   # the family's tensor layout; the export keeps its other keys
+            chunk.hf_config = dict(hf_config)   # the family's tensor layout; the export keeps its other keys
             expected = expected_hf_shapes(chunk)
             names = global_names(chunk)
             for local_name, param in chunk.named_parameters():

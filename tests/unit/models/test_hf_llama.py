@@ -403,6 +403,41 @@ def test_moe_imports_choose_transformers_balancing_loss():
     assert config_from_hf(hf, moe=chosen).moe.aux_loss_type == "per_layer"
 
 
+def test_multimodal_gemma3_imports_its_language_model(tmp_path):
+    """A Gemma 3 checkpoint with a vision tower (Gemma3ForConditionalGeneration: the 4B-27B releases): its language
+    model (tensors ``language_model.*``, config ``text_config``) imports alone and equals transformers on text at
+    tp1 and tp2; the export is that language model, a Gemma3ForCausalLM with the same logits."""
+    text = dict(COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=32, sliding_window=6,
+                query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
+    path, export = str(tmp_path / "mm"), str(tmp_path / "export")
+    model.save_pretrained(path, max_shard_size="60KB")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB - 4, (BATCH, SEQ), generator=gen)   # text only: no image tokens
+    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    positions = (torch.arange(SEQ) % (SEQ // 2 + 3)).expand(BATCH, SEQ)
+    with torch.no_grad():   # the wrapper masks by explicit positions as packed documents: its text model alone here
+        logits = model(ids).logits
+        positioned = model.lm_head(model.model.language_model(ids, position_ids=positions).last_hidden_state)
+    per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
+    out = run_on_ranks(_import_matches, 2, path, [(1, 1, 1, None, 1), (2, 1, 1, None, 1)], ids, labels, logits,
+                       per_token, (positions, positioned), export, "5MB", timeout=120)
+    assert max(e for rank_errors, _ in out for e in rank_errors) < 1e-5
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, logits, atol=1e-6, rtol=1e-6)
+
+
 def _pooled_loss_with_padding():
     ParallelState(ParallelLayout(1)).activate()
     hf = dict(model_type="mixtral", num_hidden_layers=1, hidden_size=16, intermediate_size=24, num_attention_heads=4,
