@@ -24,8 +24,8 @@ kernels (FlexAttention on CUDA, boolean-mask SDPA elsewhere and with dropout).
 
 Sliding windows (on this layer: ``config.window_of``) longer than the sequence change nothing and take the plain
 kernels; shorter ones, attention soft-capping and a ``softmax_scale`` go to ``score_attention.variant_attention``.
-Under context parallelism the window joins the causal masks of the gathered keys and the scale multiplies the
-queries (the kernels there keep their default scale); soft-capping is refused there when the model is built.
+Under context parallelism the window joins the causal masks of the gathered keys and the scale goes to the kernels;
+soft-capping is refused there when the model is built.
 """
 
 from __future__ import annotations
@@ -182,11 +182,9 @@ class SelfAttention(nn.Module):
                              f"sliding windows here are causal; use attn_mask_type='causal' or sliding_window=None.")
         scale, softcap = self.config.softmax_scale, self.config.attn_logit_softcapping
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
-            if scale is not None:   # the kernels there scale by 1/sqrt(d)
-                q = q * (scale * self.head_dim ** 0.5)
             rng = context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank) if dropout > 0 else None
             context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng,
-                                                 documents, window=window)
+                                                 documents, window=window, scale=scale)
         else:
             # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
             # sequence parallelism the whole block already runs on the tp-rank generator

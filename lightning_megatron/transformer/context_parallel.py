@@ -68,7 +68,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                dropout_p: float = 0.0, group: Optional[dist.ProcessGroup] = None,
                                rng: Optional[ContextManager[None]] = None,
                                document_ids: Union[torch.Tensor, DocumentMask, None] = None,
-                               window: Optional[int] = None) -> torch.Tensor:
+                               window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: ``[b, heads, s_local, d]`` each.
 
     ``attention_mask``: ``[b, s_local]``, this rank's split (1 = token, 0 = padding), or None.
@@ -76,7 +76,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dropout (``SelfAttention`` passes :func:`context_parallel_rng_fork`). ``document_ids``: ``[b, s_local]``,
     this rank's split of a packed batch's document ids (or their ``DocumentMask``): attention stays
     inside each document. ``window``: a causal sliding window (a query sees itself and the ``window - 1`` keys before
-    it, by global position).
+    it, by global position). ``scale``: the softmax scale (default ``head_dim ** -0.5``).
     """
     group = get_parallel_state().cp_group if group is None else group
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -98,13 +98,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         documents.check(q.shape[0], s_local)
         q_ids, k_ids = gathered_ids(documents, lambda ids: all_gather_context_parallel(ids, seq_dim=1, group=group))
     with rng if rng is not None else contextlib.nullcontext():
-        return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank, q_ids, k_ids, window)
+        return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank, q_ids, k_ids, window, scale)
 
 
 def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keep: Optional[torch.Tensor],
                           causal: bool, dropout_p: float, cp_size: int, cp_rank: int,
                           q_documents: Optional[torch.Tensor] = None,
-                          k_documents: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+                          k_documents: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                          scale: Optional[float] = None) -> torch.Tensor:
     """The local part, a pure function: cp rank ``cp_rank``'s queries ``[b, heads, s/cp, d]`` against the
     whole sequence's keys/values ``[b, heads, s, d]`` in sequence order (fewer key/value heads than query
     heads: grouped-query attention); ``keep``: ``[b, s]`` bool or None. ``q_documents [b, s/cp]`` (this
@@ -118,7 +119,8 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
             assert k_documents is not None   # given together
             same = chunk_document_mask(q_documents, k_documents)
             mask = same if mask is None else mask & same
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
     outputs = []
     for slot, c in enumerate(local_chunks(cp_size, cp_rank)):
         end = (c + 1) * chunk                  # queries of chunk c see keys [0, end), lower-right causal
@@ -137,5 +139,5 @@ def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
                 mask = chunk_document_mask(q_documents[:, slot * chunk:(slot + 1) * chunk], k_documents[:, :end]) & mask
         outputs.append(F.scaled_dot_product_attention(
             q[..., slot * chunk:(slot + 1) * chunk, :], k_all[..., :end, :], v_all[..., :end, :],
-            attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa))
+            attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa))
     return torch.cat(outputs, dim=-2)

@@ -65,37 +65,51 @@ class DocumentMask:
                 f"rank's split_for_context_parallel slice).")
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per key; as ordinary tensors even under ``inference_mode`` (a mask first built in
+        validation must not be an inference tensor, which autograd refuses to save when training reuses it)."""
         if key not in self._cache:
-            self._cache[key] = build()
+            with torch.inference_mode(False):
+                self._cache[key] = build()
         return self._cache[key]
 
-    def dense(self, causal: bool, device: torch.device) -> torch.Tensor:
-        """Boolean ``[b, 1, s, s]``, True where a query may see a key."""
+    def dense(self, causal: bool, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
+        """Boolean ``[b, 1, s, s]``, True where a query may see a key (``window``: a causal sliding window too)."""
         def build() -> torch.Tensor:
             ids = self.ids.to(device)
             keep = ids[:, None, :, None] == ids[:, None, None, :]
             if causal:
-                s = ids.shape[1]
-                keep = keep & torch.ones(s, s, dtype=torch.bool, device=device).tril()
+                keep = keep & causal_keep(ids.shape[1], window, device)
             return keep
-        return self.cached(("dense", causal, device), build)
+        return self.cached(("dense", causal, window, device), build)
 
-    def block_mask(self, causal: bool, device: torch.device) -> Any:
-        """FlexAttention's ``BlockMask`` of the document(-causal) mask, shared by the heads."""
+    def block_mask(self, causal: bool, device: torch.device, window: Optional[int] = None) -> Any:
+        """FlexAttention's ``BlockMask`` of the document(-causal, windowed) mask, shared by the heads."""
         def build() -> Any:
             from torch.nn.attention.flex_attention import create_block_mask
 
             ids = self.ids.to(device)
             b, s = ids.shape
-            if causal:
-                def mask_mod(batch, head, q_idx, kv_idx):
-                    return (ids[batch, q_idx] == ids[batch, kv_idx]) & (q_idx >= kv_idx)
-            else:
-                def mask_mod(batch, head, q_idx, kv_idx):
-                    return ids[batch, q_idx] == ids[batch, kv_idx]
+
+            def mask_mod(batch, head, q_idx, kv_idx):
+                keep = ids[batch, q_idx] == ids[batch, kv_idx]
+                if causal:
+                    keep = keep & (q_idx >= kv_idx)
+                if window is not None:
+                    keep = keep & (kv_idx > q_idx - window)
+                return keep
             make = _compiled("create_block_mask", create_block_mask) if ids.is_cuda else create_block_mask
             return make(mask_mod, b, None, s, s, device=device)
-        return self.cached(("block", causal, device), build)
+        return self.cached(("block", causal, window, device), build)
+
+
+def causal_keep(s: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """``[1, 1, s, s]``: key ``j`` visible to query ``i`` iff ``j <= i`` (and ``j > i - window`` with a window)."""
+    i = torch.arange(s, device=device)[:, None]
+    j = torch.arange(s, device=device)[None, :]
+    keep = j <= i
+    if window is not None:
+        keep = keep & (j > i - window)
+    return keep[None, None]
 
 
 def _describe(value: Any) -> str:

@@ -28,14 +28,13 @@ Dropout's random state is the caller's (it wraps the call in its RNG fork), as f
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from .documents import DocumentMask, _compiled, choose_kernel
+from .documents import DocumentMask, _compiled, causal_keep, choose_kernel
 
-MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 CACHE_SIZE = 8   # masks kept without documents: (causal, window, s, device) of the model's few shapes
@@ -151,37 +150,14 @@ def keep_mask(s: int, device: torch.device, *, causal: bool, window: Optional[in
               attention_mask: Optional[torch.Tensor], documents: Optional[DocumentMask]) -> Optional[torch.Tensor]:
     """Boolean ``[b or 1, 1, s, s]`` (or broadcastable), True where a query may see a key; None: all visible.
     Built once per forward and shared by the layers (SDPA keeps each layer's mask for its backward)."""
-    if documents is not None:
-        padding = None if attention_mask is None else id(attention_mask)   # held below, so the id stays unique
-        key, ids = ("window-dense", causal, window, device, padding), documents.ids
-        return documents.cached(key, lambda: (attention_mask, _outside_inference(
-            lambda: _dense(s, device, causal, window, attention_mask, ids))))[1]
-    positional = None if not causal else _lru(("dense", window, s, device), lambda: _causal_keep(s, window, device))
+    if documents is not None:   # the DocumentMask's own mask (one per forward, shared by the layers)
+        structural: Optional[torch.Tensor] = documents.dense(causal, device, window)
+    else:
+        structural = None if not causal else _lru(("dense", window, s, device), lambda: causal_keep(s, window, device))
     if attention_mask is None:
-        return positional
+        return structural
     padded = attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-    return padded if positional is None else positional & padded
-
-
-def _dense(s: int, device: torch.device, causal: bool, window: Optional[int], attention_mask: Optional[torch.Tensor],
-           ids: torch.Tensor) -> torch.Tensor:
-    ids = ids.to(device)
-    keep = ids[:, None, :, None] == ids[:, None, None, :]
-    if causal:
-        keep = keep & _causal_keep(s, window, device)
-    if attention_mask is not None:
-        keep = keep & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-    return keep
-
-
-def _causal_keep(s: int, window: Optional[int], device: torch.device) -> torch.Tensor:
-    """``[1, 1, s, s]``: key ``j`` visible to query ``i`` iff ``j <= i`` and ``j > i - window``."""
-    i = torch.arange(s, device=device)[:, None]
-    j = torch.arange(s, device=device)[None, :]
-    keep = j <= i
-    if window is not None:
-        keep = keep & (j > i - window)
-    return keep[None, None]
+    return padded if structural is None else structural & padded
 
 
 # ---------------------------------------------------------------- the flex path
@@ -205,42 +181,20 @@ def flex_block_mask(s: int, device: torch.device, *, causal: bool, window: Optio
     """FlexAttention's ``BlockMask`` of causal/window/documents (None: nothing masked), built once: on the
     ``DocumentMask`` with documents, else in the module's small cache."""
     if documents is not None:
-        ids = documents.ids
-        return documents.cached(("window-block", causal, window, device),
-                                lambda: _outside_inference(lambda: _build_block_mask(s, device, causal, window, ids)))
+        return documents.block_mask(causal, device, window)
     if not causal:
         return None
-    return _lru(("block", window, s, device), lambda: _build_block_mask(s, device, causal, window, None))
+    return _lru(("block", window, s, device), lambda: _causal_block_mask(s, device, window))
 
 
-def _build_block_mask(s: int, device: torch.device, causal: bool, window: Optional[int],
-                      ids: Optional[torch.Tensor]) -> Any:
-    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+def _causal_block_mask(s: int, device: torch.device, window: Optional[int]) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    mods: List[MaskMod] = []
-    if causal:
-        mods.append(lambda batch, head, q_idx, kv_idx: kv_idx <= q_idx)
-    if window is not None:
-        mods.append(_window_mod(window))
-    batch = None
-    if ids is not None:
-        ids = ids.to(device)
-        batch = ids.shape[0]
-        mods.append(_document_mod(ids))
+    def mask_mod(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        keep = kv_idx <= q_idx
+        return keep if window is None else keep & (kv_idx > q_idx - window)
     make = _compiled("create_block_mask", create_block_mask) if device.type == "cuda" else create_block_mask
-    return make(and_masks(*mods), batch, None, s, s, device=device)
-
-
-def _window_mod(window: int) -> MaskMod:
-    def mask_mod(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return kv_idx > q_idx - window
-    return mask_mod
-
-
-def _document_mod(ids: torch.Tensor) -> MaskMod:
-    def mask_mod(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return ids[batch, q_idx] == ids[batch, kv_idx]
-    return mask_mod
+    return make(mask_mod, None, None, s, s, device=device)
 
 
 def softcap_mod(softcap: Optional[float]) -> Optional[ScoreMod]:
