@@ -163,10 +163,15 @@ def _capped(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
 
 
 def _uncap_grad(grad: torch.Tensor, capped: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
-    """d loss / d logits from d loss / d capped logits: times ``1 - tanh²`` (``capped / cap`` is the tanh)."""
+    """d loss / d logits from d loss / d capped logits: times ``1 - tanh²`` (``capped / cap`` is the tanh), in the
+    logits' dtype as autograd's tanh backward on the unfused path (no float32 copy of the logits)."""
     if cap is None:
         return grad
-    return (grad.float() * (1.0 - (capped.float() / cap) ** 2)).to(grad.dtype)
+    return grad * _slope(capped, cap)
+
+
+def _slope(capped: torch.Tensor, cap: float) -> torch.Tensor:
+    return (capped / cap).square_().neg_().add_(1.0)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -217,10 +222,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits = None
             if logits is not None and any(ctx.needs_input_grad[:3]):
                 ones = (~ignored).to(torch.float32)
-                slope = None if cap is None else 1.0 - (logits.float() / cap) ** 2   # before the pass overwrites them
+                slope = None if cap is None else _slope(logits, cap)   # before the Triton pass overwrites them
                 grad_logits = _chunk_grad(logits, local_target, lse, ones, label_smoothing, vocab_size)
                 if slope is not None:
-                    grad_logits = (grad_logits.float() * slope).to(grad_logits.dtype)
+                    grad_logits = grad_logits.mul_(slope)
             del logits
             ctx.save_for_backward(hidden, weight, bias, ignored, grad_logits)
         else:
