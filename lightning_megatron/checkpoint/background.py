@@ -1,8 +1,9 @@
 """Checkpoint saves written by a thread while training goes on; one save in flight at a time.
 
 The calling thread does what must happen at the save's point in training: it collects the tensors and objects,
-copies them to host memory (``stage.py``), agrees with the other ranks and creates the staging folder. The thread
-writes the shards and commits the folder (``SaveJob.write``): its collectives run on a gloo group of its own over
+snapshots them (``stage.py``: clones on the GPU when they fit, else copies to host memory), agrees with the other
+ranks and creates the staging folder. The thread moves the clones to host memory, writes the shards and commits
+the folder (``SaveJob.write``): its collectives run on a gloo group of its own over
 the whole world, created once, so they never interleave with the training's on the same group. The folder still
 becomes visible only when every rank finished writing (``folder.py``); a process killed mid-write leaves only the
 ``.incomplete`` folder. The next save, ``wait()`` and ``close()`` wait for the write and raise its error; work
@@ -11,6 +12,7 @@ deferred with ``after_save`` (deleting an older checkpoint) runs only once the s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -37,26 +39,39 @@ class BackgroundSaver:
         self._buffers: Dict[str, torch.Tensor] = {}
         self._group: Any = None
         self._world: Any = None   # the default group the write group was made for
+        self._peak_floor = 0      # the GPU's peak allocation before the last save's clones
+        self._cloned_bytes = 0    # what the last save's clones held (counted in the peak since)
 
     def save(self, path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
              extra_state: Any = None, *, rank_state: Any = None, checksums: bool = False) -> None:
         """Like ``save_sharded`` (collective), but the write goes on in the background. Raises the error of the
         previous background save, if it failed."""
         self.wait()
-        waits: List[Callable[[], None]] = []
+        landings: List[Callable[[], List[Any]]] = []
 
         def stage(entries: List[Any], blobs: Dict[str, Any]) -> Any:
-            staged, pickled, copied = to_host(entries, blobs, self._buffers)
-            waits.append(copied)
-            return staged, pickled
+            snapshot = to_host(entries, blobs, self._buffers, self._training_peak(entries))
+            landings.append(snapshot.land)
+            self._cloned_bytes = snapshot.cloned_bytes
+            return entries, snapshot.pickled
 
         job = prepare_save(path, model_modules, optimizers, extra_state, rank_state=rank_state, checksums=checksums,
                            stage=stage)
         group = self._write_group()
         self._path, self._after = job.path, []
-        self._thread = threading.Thread(target=self._write, args=(job, group, waits[0]), daemon=True,
+        self._thread = threading.Thread(target=self._write, args=(job, group, landings[0]), daemon=True,
                                         name=f"lightning-megatron checkpoint {job.path}")
         self._thread.start()
+
+    def _training_peak(self, entries: List[Any]) -> Optional[int]:
+        """The most GPU memory training allocated, less the last save's clones, which the allocator's peak may
+        count: the larger of the peak before them and the peak since less their size."""
+        if not any(entry.local.is_cuda for entry in entries):
+            return None
+        peak = torch.cuda.max_memory_allocated()
+        estimate = max(self._peak_floor, peak - self._cloned_bytes)
+        self._peak_floor = estimate
+        return estimate
 
     def after_save(self, work: Callable[[], None]) -> None:
         """Run ``work`` once the save in flight has committed (now if none is): an older checkpoint must stay
@@ -89,10 +104,9 @@ class BackgroundSaver:
                 dist.destroy_process_group(self._group)
             self._group = self._world = None
 
-    def _write(self, job: SaveJob, group: Any, copied: Callable[[], None]) -> None:
+    def _write(self, job: SaveJob, group: Any, land: Callable[[], List[Any]]) -> None:
         try:
-            copied()
-            job.write(group)
+            dataclasses.replace(job, entries=land()).write(group)
         except BaseException as err:  # noqa: BLE001 - raised by the next save, wait() or close()
             self._error = err
         with self._lock:

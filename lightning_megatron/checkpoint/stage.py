@@ -1,39 +1,110 @@
-"""A snapshot of what a save writes, in host memory: training may change the originals while it is written.
+"""A snapshot of what a background save writes: training may change the originals while it is written.
 
-Tensors are copied into host buffers kept from one save to the next (pinned when the source is on a GPU, the copies
-queued on the current stream, so the step that follows cannot change them first); objects are pickled at once.
+What must happen at the save's point in training (the calling thread) is kept to the least: objects are pickled,
+CPU tensors copied, and GPU tensors copied **on the GPU** (a device-to-device clone, milliseconds even for
+gigabytes) when the card has room for them beside the step's own peak. The writing thread then moves those clones
+to host buffers on a stream of its own while training goes on (and allocates the pinned buffers, which takes
+seconds the first time), and frees the clones once they landed. Without room for the clones the GPU tensors are
+copied to the host buffers on the current stream, as part of the next step (slower: the step waits for the copy).
+Host buffers are kept from one save to the next, by key.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
 from .entries import Entry
 from .planner import Pickled
 
+#: GPU memory kept free beside the step's own peak when deciding whether the clones fit
+HEADROOM_BYTES = 1 << 30
 
-def to_host(entries: List[Entry], blobs: Dict[str, Any],
-            buffers: Dict[str, torch.Tensor]) -> Tuple[List[Entry], Dict[str, Any], Callable[[], None]]:
-    """Copies of ``entries`` (in ``buffers``, reused by key) and ``blobs`` (pickled), and a function that waits
-    until the copies have landed (call it in the writing thread)."""
-    staged, on_gpu = [], False
-    for entry in entries:
-        source = entry.local.detach()
-        target = buffers.get(entry.key)
-        if target is None or target.shape != source.shape or target.dtype != source.dtype:
-            target = torch.empty_like(source, device="cpu", pin_memory=source.is_cuda)
-            buffers[entry.key] = target
-        target.copy_(source, non_blocking=source.is_cuda)
-        on_gpu = on_gpu or source.is_cuda
-        staged.append(Entry(entry.key, entry.placement, [target]))
+
+class Snapshot(NamedTuple):
+    """``land()``, called in the writing thread, returns the entries as host copies once they are there;
+    ``pickled``: the objects, pickled at the save's point; ``cloned_bytes``: GPU memory the clones hold until
+    they landed (0 without clones)."""
+
+    land: Callable[[], List[Entry]]
+    pickled: Dict[str, Any]
+    cloned_bytes: int
+
+
+def to_host(entries: List[Entry], blobs: Dict[str, Any], buffers: Dict[str, torch.Tensor],
+            training_peak: Optional[int] = None) -> Snapshot:
+    """Snapshot ``entries`` (into host ``buffers``, reused by key) and ``blobs``. ``training_peak``: the most GPU
+    memory training has allocated (default ``torch.cuda.max_memory_allocated``; pass an estimate without earlier
+    saves' clones, which that peak may include)."""
+    pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
     keys = {entry.key for entry in entries}
     for key in [k for k in buffers if k not in keys]:
         del buffers[key]   # a tensor the model no longer has
-    pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
+    on_gpu = [entry for entry in entries if entry.local.is_cuda]
     if not on_gpu:
-        return staged, pickled, lambda: None
+        staged = [_host_entry(entry, entry.local.detach(), buffers, non_blocking=False) for entry in entries]
+        return Snapshot(lambda: staged, pickled, 0)
+    device = on_gpu[0].local.device
+    nbytes = sum(e.local.numel() * e.local.element_size() for e in on_gpu)
+    if _clones_fit(nbytes, device, training_peak):
+        return Snapshot(_land_clones(entries, buffers, device), pickled, nbytes)
+    staged = [_host_entry(entry, entry.local.detach(), buffers, non_blocking=entry.local.is_cuda)
+              for entry in entries]
     copied = torch.cuda.Event()
-    copied.record()
-    return staged, pickled, copied.synchronize
+    copied.record()   # the copies are queued on the current stream: the next step cannot change them first
+
+    def land() -> List[Entry]:
+        copied.synchronize()
+        return staged
+    return Snapshot(land, pickled, 0)
+
+
+def _land_clones(entries: List[Entry], buffers: Dict[str, torch.Tensor],
+                 device: torch.device) -> Callable[[], List[Entry]]:
+    """Clone the GPU tensors on the current stream now (CPU ones go to their buffers now); the returned
+    function moves the clones to host buffers on a stream of its own and lets them go."""
+    clones: Dict[str, torch.Tensor] = {}
+    staged: List[Entry] = []
+    for entry in entries:
+        source = entry.local.detach()
+        if source.is_cuda:
+            clones[entry.key] = source.clone()
+            staged.append(entry)
+        else:
+            staged.append(_host_entry(entry, source, buffers, non_blocking=False))
+    cloned = torch.cuda.Event()
+    cloned.record()
+
+    def land() -> List[Entry]:
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(cloned)
+            landed = [_host_entry(e, clones[e.key], buffers, non_blocking=True) if e.key in clones else e
+                      for e in staged]
+        stream.synchronize()
+        clones.clear()   # back to the allocator: their copies are done, so training may reuse the memory
+        return landed
+    return land
+
+
+def _host_entry(entry: Entry, source: torch.Tensor, buffers: Dict[str, torch.Tensor], *,
+                non_blocking: bool) -> Entry:
+    """``entry`` holding a host copy of ``source`` (a buffer of ``buffers``, pinned for a GPU source)."""
+    target = buffers.get(entry.key)
+    if target is None or target.shape != source.shape or target.dtype != source.dtype:
+        target = torch.empty_like(source, device="cpu", pin_memory=source.is_cuda)
+        buffers[entry.key] = target
+    target.copy_(source, non_blocking=non_blocking)
+    return Entry(entry.key, entry.placement, [target])
+
+
+def _clones_fit(nbytes: int, device: torch.device, training_peak: Optional[int] = None) -> bool:
+    """Whether clones of ``nbytes`` fit on ``device`` beside the training's peak and a margin: the free memory
+    plus what the allocator holds unused, less what training still allocates at its peak."""
+    free, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    unused_reserved = torch.cuda.memory_reserved(device) - allocated
+    peak = torch.cuda.max_memory_allocated(device) if training_peak is None else training_peak
+    step_growth = max(peak - allocated, 0)
+    return nbytes + HEADROOM_BYTES <= free + unused_reserved - step_growth

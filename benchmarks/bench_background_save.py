@@ -1,0 +1,132 @@
+"""What a checkpoint save costs the training step it overlaps (issue #31): GPT-1.3B through
+``Trainer(strategy=MegatronStrategy())`` on one GPU, its whole training state (bf16-true parameters and AdamW's
+two moments, or with ``--precision bf16-mixed`` float32 parameters too), saved at one step by
+``trainer.save_checkpoint`` in the foreground (no plugin) and in the background (``plugins=[AsyncCheckpointIO()]``).
+
+Each step's time is the wall time between two ``cuda.synchronize`` at the ends of consecutive steps; the save is
+called at the end of the steps ``--save-at`` (the first save allocates the pinned host buffers, later ones
+reuse them) (after its clock mark), so the step after it carries the save's
+foreground part (staging to host memory) and overlaps the writing thread. Reported: the median normal step, the
+steps around the save as multiples of it, and how long the whole save took to commit.
+
+    python benchmarks/bench_background_save.py [--layers 24 --hidden 2048] [--dir /tmp/ckpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def run_one(mode: str, args: argparse.Namespace) -> dict:
+    import lightning as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_megatron import MegatronStrategy
+    from lightning_megatron.models import GPTModel
+    from lightning_megatron.transformer import TransformerConfig
+
+    marks: list = []
+    save_at = [int(step) for step in args.save_at.split(",")]
+    saved: dict = {}
+    folder = os.path.join(args.dir, mode)
+    shutil.rmtree(folder, ignore_errors=True)
+
+    class Module(L.LightningModule):
+        def configure_model(self) -> None:
+            if hasattr(self, "model"):
+                return
+            config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden,
+                                       num_attention_heads=args.heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                       activation="gelu_tanh")
+            self.model = GPTModel(config, args.vocab, max_sequence_length=args.seq)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0], labels=batch[1]).float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+            if mode != "none" and batch_idx in save_at:
+                start = time.perf_counter()
+                trainer.save_checkpoint(os.path.join(folder, f"step{batch_idx}.ckpt"))
+                saved.setdefault("call_s", []).append(round(time.perf_counter() - start, 3))
+                saved["started"] = start
+
+        def on_train_end(self, trainer, module):
+            if "started" in saved:
+                writer = getattr(trainer.strategy, "_background", None)
+                if writer is not None:   # the background write must have committed
+                    writer.wait()
+                saved["commit_s"] = time.perf_counter() - saved["started"]
+
+    steps = save_at[-1] + 1 + args.after
+    ids = torch.randint(0, args.vocab, (args.batch * steps, args.seq))
+    data = torch.utils.data.TensorDataset(ids, ids.roll(-1, 1))
+    plugins = [AsyncCheckpointIO()] if mode == "background" else []
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MegatronStrategy(), precision=args.precision,
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Clock()], plugins=plugins)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=args.batch))
+    state_gib = sum(t.numel() * t.element_size() for t in trainer.lightning_module.parameters()) / 2**30
+    times = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]   # times[i]: step i + 1
+    normal = statistics.median(times[2:save_at[0]])
+    after = [times[at:at + 3] for at in save_at]   # the three steps after each save call
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files) \
+        if os.path.isdir(folder) else 0
+    return {"normal_ms": normal, "after_ms": after, "call_s": saved.get("call_s"), "commit_s": saved.get("commit_s"),
+            "params_gib": state_gib, "written_gib": size / 2**30 / len(save_at),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--precision", default="bf16-true")
+    parser.add_argument("--save-at", default="8,14", help="steps at whose end a save is called (the first one "
+                        "allocates the host buffers; later ones reuse them)")
+    parser.add_argument("--after", type=int, default=4)
+    parser.add_argument("--dir", default="/tmp/bench_background_save")
+    parser.add_argument("--modes", default="none,foreground,background")
+    parser.add_argument("--only")
+    args = parser.parse_args()
+    if args.only:
+        print("RESULT " + json.dumps(run_one(args.only, args)), flush=True)
+        return
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  GPT {args.layers}x{args.hidden}  "
+          f"{args.precision}  batch {args.batch}x{args.seq}", flush=True)
+    for mode in args.modes.split(","):
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--only", mode]
+                              + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                                 if k not in ("only", "modes")], capture_output=True, text=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(f"{mode}: FAILED (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        r = json.loads(line[-1][len("RESULT "):])
+        ratios = "; ".join(", ".join(f"{t / r['normal_ms']:.2f}x" for t in after) for after in r["after_ms"])
+        print(f"{mode}: normal step {r['normal_ms']:.1f} ms; the 3 steps after each save call: {ratios}; save calls "
+              f"{r['call_s']} s, the last committed {r['commit_s']} s after its call; parameters "
+              f"{r['params_gib']:.2f} GiB, written "
+              f"{r['written_gib']:.2f} GiB per save; peak {r['peak_gib']:.1f} GiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
