@@ -3,7 +3,8 @@
 two moments, or with ``--precision bf16-mixed`` float32 parameters too), saved at one step by
 ``trainer.save_checkpoint`` in the foreground (no plugin) and in the background (``plugins=[AsyncCheckpointIO()]``).
 
-Each step's time is the wall time between two ``cuda.synchronize`` at the ends of consecutive steps; the save is
+Each step's time is the wall time between the ends of consecutive steps, each a synchronize of the training's
+stream (``--sync device``: of the whole device, which also waits for the writing thread's copies); the save is
 called at the end of the steps ``--save-at`` (the first save allocates the pinned host buffers, later ones
 reuse them) (after its clock mark), so the step after it carries the save's
 foreground part (staging to host memory) and overlaps the writing thread. Reported: the median normal step, the
@@ -35,6 +36,8 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     from lightning_megatron.transformer import TransformerConfig
 
     marks: list = []
+    # the training stream's work (what the step waits for), or every stream's (the writer's copies too)
+    sync = torch.cuda.current_stream().synchronize if args.sync == "stream" else torch.cuda.synchronize
     save_at = [int(step) for step in args.save_at.split(",")]
     saved: dict = {}
     folder = os.path.join(args.dir, mode)
@@ -57,7 +60,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            torch.cuda.synchronize()
+            sync()
             marks.append(time.perf_counter())
             if mode != "none" and batch_idx in save_at:
                 start = time.perf_counter()
@@ -100,11 +103,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--precision", default="bf16-true")
-    parser.add_argument("--save-at", default="8,14", help="steps at whose end a save is called (the first one "
+    parser.add_argument("--save-at", default="8,150", help="steps at whose end a save is called (the first one "
                         "allocates the host buffers; later ones reuse them)")
     parser.add_argument("--after", type=int, default=4)
     parser.add_argument("--dir", default="/tmp/bench_background_save")
     parser.add_argument("--modes", default="none,foreground,background")
+    parser.add_argument("--sync", choices=("stream", "device"), default="stream",
+                        help="step ends: the training stream's synchronize, or the whole device's (which also waits "
+                             "for the writing thread's copies, as a loop calling torch.cuda.synchronize would)")
     parser.add_argument("--only")
     args = parser.parse_args()
     if args.only:

@@ -370,6 +370,14 @@ MUTATIONS: List[Mutation] = [
              "        grad_w = _weight_grad(grad, gathered)\n",
              "        grad_w = _weight_grad(grad, x.repeat(size, *([1] * (x.dim() - 1))))\n",
              (f"{UPDATES}[tp2sp-commoverlap]",), ci=False),
+    # column-parallel linears: the input gradient's collective, overlapped with the weight gradient
+    Mutation("column-backward-input-grad-not-reduce-scattered", "lightning_megatron/tensor_parallel/column_backward.py",
+             "                work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=ctx.overlap)\n",
+             "                grad_x = partial.chunk(size)[dist.get_rank(ctx.group)]\n",
+             (f"{UPDATES}[tp2sp]",), ci=False),
+    Mutation("column-backward-input-grad-not-all-reduced", "lightning_megatron/tensor_parallel/column_backward.py",
+             "                work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)\n", "",
+             (f"{UPDATES}[tp2]",), ci=False),
     # a launcher's SIGTERM shortens the wait for a silent peer
     Mutation("sigterm-ignored-by-the-dead-rank-check", "lightning_megatron/distributed/hang.py",
              "terminated = self.dead_after_s > 0 and self.sigterm_seen()", "terminated = False",
@@ -377,7 +385,7 @@ MUTATIONS: List[Mutation] = [
              ci=False),
     # checkpoints: background saves write a snapshot; checksums are checked
     Mutation("background-save-without-snapshot", "lightning_megatron/checkpoint/stage.py",
-             "        staged.append(Entry(entry.key, entry.placement, [target]))", "        staged.append(entry)",
+             "    return Entry(entry.key, entry.placement, [target])\n", "    return entry\n",
              (f"{STRATEGY}/test_background_save.py::test_background_saves_resume_like_synchronous_ones_bit_for_bit",),
              ci=False),
     Mutation("checksum-not-compared", "lightning_megatron/checkpoint/checksums.py",

@@ -2,11 +2,15 @@
 
 What must happen at the save's point in training (the calling thread) is kept to the least: objects are pickled,
 CPU tensors copied, and GPU tensors copied **on the GPU** (a device-to-device clone, milliseconds even for
-gigabytes) when the card has room for them beside the step's own peak. The writing thread then moves those clones
-to host buffers on a stream of its own while training goes on (and allocates the pinned buffers, which takes
-seconds the first time), and frees the clones once they landed. Without room for the clones the GPU tensors are
-copied to the host buffers on the current stream, as part of the next step (slower: the step waits for the copy).
-Host buffers are kept from one save to the next, by key.
+gigabytes) when the card has room for them beside the training's peak. The writing thread then copies the clones
+into pinned host buffers on a stream of its own while training goes on, and frees them once they landed. Without
+room for the clones the GPU tensors are copied to the host buffers on the current stream, as part of the next step
+(which then waits for the copy).
+
+Host buffers are kept from one save to the next, by key. The pinned ones are made by the calling thread at the
+first save (``cudaHostAlloc``: seconds for gigabytes, once): made in the writing thread they stalled the training
+thread's CUDA calls as long (GPT-1.3B on an H200: the step after the first save took 36x its time), and pageable
+buffers, filled at a few GB/s, kept the copies going for seconds.
 """
 
 from __future__ import annotations
@@ -62,14 +66,16 @@ def to_host(entries: List[Entry], blobs: Dict[str, Any], buffers: Dict[str, torc
 
 def _land_clones(entries: List[Entry], buffers: Dict[str, torch.Tensor],
                  device: torch.device) -> Callable[[], List[Entry]]:
-    """Clone the GPU tensors on the current stream now (CPU ones go to their buffers now); the returned
-    function moves the clones to host buffers on a stream of its own and lets them go."""
+    """Clone the GPU tensors on the current stream now and make sure their pinned host buffers exist (CPU tensors
+    are copied now); the returned function copies the clones into the buffers on a stream of its own and lets the
+    clones go."""
     clones: Dict[str, torch.Tensor] = {}
     staged: List[Entry] = []
     for entry in entries:
         source = entry.local.detach()
         if source.is_cuda:
             clones[entry.key] = source.clone()
+            _host_buffer(entry.key, source, buffers)
             staged.append(entry)
         else:
             staged.append(_host_entry(entry, source, buffers, non_blocking=False))
@@ -88,13 +94,18 @@ def _land_clones(entries: List[Entry], buffers: Dict[str, torch.Tensor],
     return land
 
 
+def _host_buffer(key: str, source: torch.Tensor, buffers: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The host buffer kept for ``key``, made (pinned for a GPU source) if missing or of another shape/dtype."""
+    target = buffers.get(key)
+    if target is None or target.shape != source.shape or target.dtype != source.dtype:
+        target = buffers[key] = torch.empty_like(source, device="cpu", pin_memory=source.is_cuda)
+    return target
+
+
 def _host_entry(entry: Entry, source: torch.Tensor, buffers: Dict[str, torch.Tensor], *,
                 non_blocking: bool) -> Entry:
-    """``entry`` holding a host copy of ``source`` (a buffer of ``buffers``, pinned for a GPU source)."""
-    target = buffers.get(entry.key)
-    if target is None or target.shape != source.shape or target.dtype != source.dtype:
-        target = torch.empty_like(source, device="cpu", pin_memory=source.is_cuda)
-        buffers[entry.key] = target
+    """``entry`` holding a host copy of ``source`` (in its buffer of ``buffers``)."""
+    target = _host_buffer(entry.key, source, buffers)
     target.copy_(source, non_blocking=non_blocking)
     return Entry(entry.key, entry.placement, [target])
 

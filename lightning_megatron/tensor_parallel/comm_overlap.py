@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .mappings import _eager_apply
+from .utils import in_autocast_dtype
 
 BACKEND_ENV = "LIGHTNING_MEGATRON_TP_OVERLAP"   # "auto" (default): symmetric memory on CUDA; "ring": NCCL ring
 _GATHER_TAG, _REDUCE_TAG = 71, 72   # gloo matches messages by tag; NCCL keeps issue order (and ignores tags)
@@ -232,22 +233,13 @@ class _SymmetricLinearReduceScatter(torch.autograd.Function):
         return grad_x, _weight_grad(gathered, x), None, None
 
 
-def _in_autocast_dtype(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``x`` in the autocast dtype when autocast is on for ``reference``'s device (as ``F.linear`` would run it),
-    so the autograd functions' GEMMs and their backward see one dtype."""
-    device = reference.device.type
-    if not torch.is_autocast_enabled(device) or not x.is_floating_point():
-        return x
-    return x.to(torch.get_autocast_dtype(device))
-
-
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       group: dist.ProcessGroup) -> torch.Tensor:
     """``F.linear(gather_from_sequence_parallel_region(x), weight, bias)`` with the gather overlapped."""
     if dist.get_world_size(group) == 1:
         return F.linear(x, weight, bias)
-    bias = None if bias is None else _in_autocast_dtype(bias, x)
-    x, weight = _in_autocast_dtype(x, x), _in_autocast_dtype(weight, x)
+    bias = None if bias is None else in_autocast_dtype(bias, x)
+    x, weight = in_autocast_dtype(x, x), in_autocast_dtype(weight, x)
     symm_mem = _symmetric_memory(x, group)
     with torch.autocast(x.device.type, enabled=False):
         if symm_mem is not None:
@@ -262,7 +254,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: dist.Pro
     if x.shape[0] % dist.get_world_size(group):
         raise ValueError(f"tp_comm_overlap: the sequence dimension {x.shape[0]} must be divisible by the "
                          f"tensor-parallel size {dist.get_world_size(group)}.")
-    x, weight = _in_autocast_dtype(x, x), _in_autocast_dtype(weight, x)
+    x, weight = in_autocast_dtype(x, x), in_autocast_dtype(weight, x)
     symm_mem = _symmetric_memory(x, group)
     with torch.autocast(x.device.type, enabled=False):
         if symm_mem is not None:

@@ -29,6 +29,7 @@ from .mappings import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, resolve_group, scatter_to_tensor_parallel_region,
 )
+from .column_backward import column_parallel_linear
 from .comm_overlap import all_gather_linear, linear_reduce_scatter
 from .deferred_wgrad import deferrable_linear
 from .token_ids import check_ids_in_vocab
@@ -167,14 +168,23 @@ class ColumnParallelLinear(_TensorParallelLinear):
         if self._overlapped():
             out = all_gather_linear(x, self.weight, None if self.skip_bias_add else self.bias, group)
             return (out, self.bias) if self.skip_bias_add else out
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
+        bias = None if self.skip_bias_add else self.bias
+        if self._backward_overlapped():
+            out = column_parallel_linear(x, self.weight, bias, group, self.sequence_parallel)
         else:
-            x = copy_to_tensor_parallel_region(x, group)
-        out = self.local_linear(x, self.weight, None if self.skip_bias_add else self.bias)
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
+            else:
+                x = copy_to_tensor_parallel_region(x, group)
+            out = self.local_linear(x, self.weight, bias)
         if self.gather_output:
             out = gather_from_tensor_parallel_region(out, group)
         return (out, self.bias) if self.skip_bias_add else out
+
+    def _backward_overlapped(self) -> bool:
+        """Whether the input gradient's collective overlaps the weight gradient (``column_backward.py``): at
+        tensor-parallel size > 1 with the plain matmul (float8 and deferred weight gradients have their own)."""
+        return self.tp_size > 1 and self.float8 is None and not self.defer_weight_grad
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "

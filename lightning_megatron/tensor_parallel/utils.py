@@ -102,3 +102,12 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter],
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def in_autocast_dtype(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on for ``reference``'s device (as ``F.linear`` would run it),
+    so an autograd function's GEMMs and their backward see one dtype."""
+    device = reference.device.type
+    if not torch.is_autocast_enabled(device) or not x.is_floating_point():
+        return x
+    return x.to(torch.get_autocast_dtype(device))

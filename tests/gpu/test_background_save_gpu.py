@@ -33,7 +33,7 @@ def test_a_background_save_holds_the_state_of_its_step(tmp_path, monkeypatch, cl
     land_clones = stage_module._land_clones
     monkeypatch.setattr(stage_module, "_land_clones",
                         lambda *a: landed_through_clones.append(1) or land_clones(*a))
-    monkeypatch.setattr(stage_module, "_clones_fit", lambda nbytes, device: clones_fit)
+    monkeypatch.setattr(stage_module, "_clones_fit", lambda nbytes, device, peak=None: clones_fit)
     model, optimizer = model_and_optimizer()
     train(model, optimizer, 2)
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}

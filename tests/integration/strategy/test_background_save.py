@@ -39,8 +39,9 @@ def _fit(folder, max_steps, background, resume_from=None, callbacks=(), keep=-1)
 
 
 class _HoldTheWrite:
-    """Holds the background write of step 2's checkpoint until the training step after it has started: a save that
-    blocked training would wait here for 60 s, then fail."""
+    """Holds the background write of step 2's checkpoint until the training step after it has updated the parameters
+    (Lightning runs ``ModelCheckpoint`` after the other callbacks' ``on_train_batch_end``): a save that blocked
+    training would wait here for 60 s, then fail; one that wrote the live tensors would write step 3's."""
 
     def __init__(self):
         import lightning as L
@@ -49,13 +50,13 @@ class _HoldTheWrite:
 
         def held_write(job, group=None):
             if job.path.endswith("step=2.ckpt") and not started.wait(60):
-                raise AssertionError("the save blocked training: step 3 never started while step 2 was written")
+                raise AssertionError("the save blocked training: step 3 never ended while step 2 was written")
             self.threads.add(threading.current_thread().name)
             original(job, group)
 
         class Started(L.Callback):
-            def on_train_batch_start(self, trainer, *args):
-                if trainer.global_step >= 2:
+            def on_train_batch_end(self, trainer, *args):
+                if trainer.global_step >= 3:
                     started.set()
 
         self.threads, self.callback, self.write, self.original = set(), Started(), held_write, original

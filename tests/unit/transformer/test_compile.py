@@ -113,7 +113,8 @@ def test_inductor_layers_equal_eager_with_dropout_under_tensor_parallel(sequence
         if sequence_parallel:   # (without it, dropout's tensor-parallel RNG fork breaks the graph too)
             # every graph break is a tensor-parallel collective left eager (tensor_parallel/mappings.py), and the
             # three layers share their graphs (the pieces between one layer's collectives: at most 10)
-            assert compiled[3] and all("_eager_apply" in reason for reason in compiled[3]), compiled[3]
+            assert compiled[3] and all("_eager_apply" in reason or "column_parallel_linear" in reason
+                                       for reason in compiled[3]), compiled[3]
             assert compiled[2]["unique_graphs"] <= 10, compiled[2]
 
 

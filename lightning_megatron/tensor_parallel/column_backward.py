@@ -1,0 +1,69 @@
+"""Column-parallel linears whose input-gradient collective runs while their weight gradient is computed.
+
+A column-parallel linear's input gradient ``dX = dY·W`` is a partial sum over the tensor-parallel ranks: it is
+reduce-scattered along the sequence (sequence parallelism: the forward all-gathered ``X``) or all-reduced (``X``
+replicated). Its weight gradient ``dW = dYᵀ·X`` needs no communication. Left to autograd, ``F.linear``'s backward
+computes both GEMMs and only then the gather's (or the copy's) backward starts the collective, so the GPU waits
+for it. Here one autograd function does the whole layer: ``dX``, its collective launched asynchronously (NCCL runs
+it on its own stream), ``dW`` while it travels, then the wait: Megatron-Core's overlap of the input-gradient
+communication with the weight-gradient GEMM. The same GEMMs and the same collective as the plain path.
+
+The function runs eagerly under ``torch.compile`` (a graph break, like every collective of ``mappings``). A forward
+under CUDA-graph capture keeps its backward's collective in stream order (as the plain path).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .mappings import eager_under_compile, gather_along_dim
+from .utils import in_autocast_dtype
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``F.linear(all_gather(x) if sequence_parallel else x, weight, bias)``; backward as the module says."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+        total = gather_along_dim(x, 0, group) if sequence_parallel else x
+        ctx.save_for_backward(total, weight)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        # under CUDA-graph capture the collectives stay ordered on the capturing stream (no second stream to join)
+        ctx.overlap = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        total, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x, work = None, None
+        if ctx.needs_input_grad[0]:
+            partial = flat.mm(weight).view(*total.shape)
+            if ctx.sequence_parallel:
+                size = dist.get_world_size(ctx.group)
+                grad_x = partial.new_empty((partial.shape[0] // size,) + tuple(partial.shape[1:]))
+                work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=ctx.overlap)
+            else:
+                grad_x = partial
+                work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
+        grad_w = flat.t().mm(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
+@eager_under_compile   # one graph break for the casts and the function (not a break inside an autocast region)
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """A column-parallel linear's forward at tensor-parallel size > 1: ``F.linear`` of the all-gathered
+    (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the module)."""
+    bias = None if bias is None else in_autocast_dtype(bias, x)
+    x, weight = in_autocast_dtype(x, x), in_autocast_dtype(weight, x)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel)
