@@ -16,15 +16,15 @@ steps around the save as multiples of it, and how long the whole save took to co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from isolated import print_result, run_isolated   # benchmarks/isolated.py
 
 
 def run_one(mode: str, args: argparse.Namespace) -> dict:
@@ -114,19 +114,15 @@ def main() -> None:
     parser.add_argument("--only")
     args = parser.parse_args()
     if args.only:
-        print("RESULT " + json.dumps(run_one(args.only, args)), flush=True)
+        print_result(run_one(args.only, args))
         return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  GPT {args.layers}x{args.hidden}  "
           f"{args.precision}  batch {args.batch}x{args.seq}", flush=True)
     for mode in args.modes.split(","):
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--only", mode]
-                              + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                 if k not in ("only", "modes")], capture_output=True, text=True)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(f"{mode}: FAILED (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+        r = run_isolated(mode, [sys.executable, os.path.abspath(__file__), "--only", mode]
+                         + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("only", "modes")])
+        if r is None:
             continue
-        r = json.loads(line[-1][len("RESULT "):])
         ratios = "; ".join(", ".join(f"{t / r['normal_ms']:.2f}x" for t in after) for after in r["after_ms"])
         print(f"{mode}: normal step {r['normal_ms']:.1f} ms; the 3 steps after each save call: {ratios}; save calls "
               f"{r['call_s']} s, the last committed {r['commit_s']} s after its call; parameters "

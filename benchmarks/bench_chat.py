@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,8 @@ from typing import Any, Dict, List
 
 import torch
 import torch.nn.functional as F
+
+from isolated import print_result, run_isolated   # benchmarks/isolated.py
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
@@ -237,7 +238,7 @@ def main() -> None:
     if args.rows % args.micro_batch:
         parser.error("--rows must be a multiple of --micro-batch")
     if args.only:
-        print("RESULT " + json.dumps(run_one(args.only, args)), flush=True)
+        print_result(run_one(args.only, args))
         return
     start = time.perf_counter()
     shape = TINY if args.tiny else QWEN_05B
@@ -260,16 +261,10 @@ def main() -> None:
                    "--rows", str(args.rows), "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--accelerator", args.accelerator]
             began = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-            except subprocess.TimeoutExpired:
-                print(f"{name}: TIMEOUT", flush=True)
+            r = run_isolated(name, cmd, left)
+            if r is None:
                 continue
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not line:
-                print(f"{name}: FAILED (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-                continue
-            r = results[name] = json.loads(line[-1][len("RESULT "):])
+            results[name] = r
             print(f"{name}: {r['step_ms']:.1f} ms/step  {r['tokens_per_s']:,.0f} tokens/s  peak {r['peak_gib']:.1f} GiB"
                   f"  loss step 0 {r['first_loss']:.5f}, step {args.warmup + args.steps - 1} {r['last_loss']:.5f}"
                   f"  (warm-up {r['warmup_s']:.0f} s, process {time.perf_counter() - began:.0f} s)", flush=True)

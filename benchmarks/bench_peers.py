@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from isolated import print_result, run_isolated   # benchmarks/isolated.py
 
 SHAPES = {
     # Llama-3.2-1B: 16 layers, hidden 2048, 32 heads, 8 kv heads, SwiGLU 8192, vocabulary 128256, untied head
@@ -351,7 +352,7 @@ def main() -> None:
     if args.only:
         result = run_one(args.only, args)
         if int(os.environ.get("RANK", "0")) == 0:
-            print("RESULT " + json.dumps(result), flush=True)
+            print_result(result)
         return
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.accelerator == "gpu" else "CPU"
@@ -369,16 +370,10 @@ def main() -> None:
                 "--profile", str(args.profile)]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"]
                if args.gpus > 1 else [sys.executable]) + base
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-        except subprocess.TimeoutExpired:
-            print(f"{name}: TIMEOUT", flush=True)
+        r = run_isolated(name, cmd, left)
+        if r is None:
             continue
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(f"{name}: FAILED (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-            continue
-        r = results[name] = json.loads(line[-1][len("RESULT "):])
+        results[name] = r
         print(f"{name}: {r['step_ms']:.1f} ms/step  MFU {r['mfu']:.1%}  peak {r['peak_gib']:.1f} GiB  "
               f"first {args.warmup} steps {r['first_steps_s']:.0f} s", flush=True)
         if r["kernels"]:
