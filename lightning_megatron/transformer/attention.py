@@ -19,11 +19,11 @@ step. Both projections read one copy of the input (one sequence-parallel all-gat
 Rotary embeddings (``position_embedding_type="rope"``) rotate queries and keys here, on the whole
 (context-parallel local) sequence, at the tokens' global positions; see ``rotary.py``.
 
-Packed rows (``document_ids [b, s]``): attention stays inside each document; ``documents.py`` holds the
-kernels (FlexAttention on CUDA, boolean-mask SDPA elsewhere and with dropout).
-
-Sliding windows (on this layer: ``config.window_of``) longer than the sequence change nothing and take the plain
-kernels; shorter ones, attention soft-capping and a ``softmax_scale`` go to ``score_attention.variant_attention``.
+Without context parallelism every case goes through ``score_attention.variant_attention``: plain attention (with
+or without a padding mask) to SDPA's fused kernels; packed rows (``document_ids [b, s]``: attention stays inside each
+document), sliding windows (on this layer: ``config.window_of``; one longer than the sequence changes nothing),
+attention soft-capping and a ``softmax_scale`` to the kernel ``config.document_attention`` chooses (FlexAttention on
+CUDA, boolean-mask SDPA or float32 math elsewhere and with dropout).
 Under context parallelism the window joins the causal masks of the gathered keys and the scale goes to the kernels;
 soft-capping is refused there when the model is built.
 """
@@ -43,7 +43,7 @@ from ..tensor_parallel.comm_overlap import all_gather_linear
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
-from .documents import DocumentMask, document_attention
+from .documents import DocumentMask
 from .norm import build_norm
 from .qk_norm import AcrossHeadsRMSNorm
 from .rotary import RotaryEmbedding, apply_rotary
@@ -190,18 +190,12 @@ class SelfAttention(nn.Module):
             # sequence parallelism the whole block already runs on the tp-rank generator
             forked = dropout > 0 and not self.config.sequence_parallel
             with get_rng_tracker(state).fork() if forked else contextlib.nullcontext():
-                if window is not None or scale is not None or softcap is not None:
-                    context = variant_attention(q, k, v, causal=causal, dropout_p=dropout, scale=scale, softcap=softcap,
-                                                window=window, attention_mask=attention_mask, documents=documents,
-                                                kernel=self.config.document_attention)
-                elif documents is not None:
-                    context = document_attention(q, k, v, documents, causal, dropout, attention_mask,
-                                                 kernel=self.config.document_attention)
-                else:
-                    mask = attention_bias(attention_mask, causal, s, hidden.device)
-                    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                             is_causal=causal and mask is None,
-                                                             enable_gqa=k.shape[1] != q.shape[1])
+                # one entry for every variant: plain attention (no window, cap, scale or documents) takes SDPA's
+                # fused kernels through the mask path whatever kernel packed documents are set to
+                plain = window is None and scale is None and softcap is None and documents is None
+                context = variant_attention(q, k, v, causal=causal, dropout_p=dropout, scale=scale, softcap=softcap,
+                                            window=window, attention_mask=attention_mask, documents=documents,
+                                            kernel="mask" if plain else self.config.document_attention)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(context)
 
