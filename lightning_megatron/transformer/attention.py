@@ -45,7 +45,7 @@ from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_sp
 from .context_parallel import context_parallel_attention, context_parallel_rng_fork
 from .documents import DocumentMask
 from .norm import build_norm
-from .qk_norm import AcrossHeadsRMSNorm
+from .qk_norm import AcrossHeadsRMSNorm, normalize_across_heads
 from .rotary import RotaryEmbedding, apply_rotary
 from .score_attention import variant_attention
 
@@ -201,10 +201,11 @@ class SelfAttention(nn.Module):
 
     def _normalize_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         assert self.q_norm is not None and self.k_norm is not None   # the caller checked
-        if not isinstance(self.q_norm, AcrossHeadsRMSNorm):
+        if not isinstance(self.q_norm, AcrossHeadsRMSNorm) or not isinstance(self.k_norm, AcrossHeadsRMSNorm):
             return self.q_norm(q), self.k_norm(k)
         group = get_parallel_state().tp_group
         k_first = (self.tp_rank // self.kv_sharing_ranks if self.kv_sharing_ranks > 1
                    else self.tp_rank * self.kv_heads_per_rank)
-        return (self.q_norm(q, self.tp_rank * self.heads_per_rank, group),
-                self.k_norm(k, k_first, group, self.kv_sharing_ranks))
+        q, k = normalize_across_heads([(self.q_norm, q, self.tp_rank * self.heads_per_rank, 1),
+                                       (self.k_norm, k, k_first, self.kv_sharing_ranks)], group)
+        return q, k

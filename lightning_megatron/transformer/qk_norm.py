@@ -9,7 +9,7 @@ and the gradient finalisation sums the partial weight gradients over tp (``param
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,12 @@ class AcrossHeadsRMSNorm(nn.Module):
         """``x [b, local_heads, s, head_dim]``: heads ``first_head ..`` of the global ones; ``group``: the tp group
         (None: no communication); ``sharing``: how many of its ranks hold the same heads (replicated key/value
         heads), each counted that many times by the group's sum of squares, so it is divided by ``sharing``."""
-        size = 1 if group is None else dist.get_world_size(group)
+        (out,) = normalize_across_heads([(self, x, first_head, sharing)], group)
+        return out
+
+    def check(self, x: torch.Tensor, first_head: int, size: int, sharing: int) -> None:
+        """Raise ValueError unless ``x`` holds whole heads from ``first_head`` on and ``size`` ranks, ``sharing``
+        per head, cover the heads exactly once."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"expected x of shape [b, heads, s, {self.head_dim}], got {tuple(x.shape)}.")
         local = x.shape[1]
@@ -74,12 +79,12 @@ class AcrossHeadsRMSNorm(nn.Module):
             # the group's sum of squares would not count every head exactly ``sharing`` times
             raise ValueError(f"{size} rank(s) holding {local} head(s) each, {sharing} rank(s) per head, do not "
                              f"cover {self.num_heads} heads exactly once.")
-        xf = x.float()
-        squares = xf.pow(2).sum(dim=(1, 3), keepdim=True)   # [b, 1, s, 1]: this rank's share of each token
-        if size > 1:
-            squares = _all_reduce_sum(squares, group)
+
+    def scale(self, x: torch.Tensor, squares: torch.Tensor, first_head: int, sharing: int) -> torch.Tensor:
+        """``x`` normalised by the group's per-token ``squares`` ``[b, 1, s, 1]`` and scaled by its heads' weights."""
         variance = squares / (sharing * self.num_heads * self.head_dim)
-        normed = xf * torch.rsqrt(variance + self.eps)
+        normed = x.float() * torch.rsqrt(variance + self.eps)
+        local = x.shape[1]
         weight = self.weight[first_head * self.head_dim:(first_head + local) * self.head_dim]
         weight = weight.view(1, local, 1, self.head_dim).float()
         if self.zero_centered:
@@ -88,3 +93,19 @@ class AcrossHeadsRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+def normalize_across_heads(norms: Sequence[Tuple[AcrossHeadsRMSNorm, torch.Tensor, int, int]],
+                           group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
+    """Each ``(norm, x, first_head, sharing)`` normalised as :meth:`AcrossHeadsRMSNorm.forward` does, their
+    per-token sums of squares summed over ``group`` in one all-reduce (the queries' and the keys' together: one
+    collective per layer and direction instead of two)."""
+    size = 1 if group is None else dist.get_world_size(group)
+    for norm, x, first_head, sharing in norms:
+        norm.check(x, first_head, size, sharing)
+    # [b, 1, s, 1] each: this rank's share of every token's sum of squares
+    squares = [x.float().pow(2).sum(dim=(1, 3), keepdim=True) for _, x, _, _ in norms]
+    if size > 1:
+        squares = list(_all_reduce_sum(torch.cat(squares, dim=-1), group).unbind(dim=-1))
+        squares = [sq.unsqueeze(-1) for sq in squares]
+    return [norm.scale(x, sq, first_head, sharing) for (norm, x, first_head, sharing), sq in zip(norms, squares)]
