@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mappings import eager_under_compile
+from .utils import in_autocast_dtype
 
 
 class WeightGradQueue:
@@ -120,12 +121,9 @@ class _DeferredWeightLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
                 target: Tuple[torch.Tensor, WeightGradQueue]) -> torch.Tensor:
         weight, queue = target
-        w, b = weight, bias
-        device = x.device.type
-        if torch.is_autocast_enabled(device):   # multiply in what F.linear would (dW is cast back in W)
-            dtype = torch.get_autocast_dtype(device)
-            x, w = x.to(dtype), w.to(dtype)
-            b = b.to(dtype) if b is not None else None
+        # multiply in what F.linear would under autocast (dW is cast back in W)
+        w, b = in_autocast_dtype(weight, x), None if bias is None else in_autocast_dtype(bias, x)
+        x = in_autocast_dtype(x, x)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.queue, ctx.has_bias = weight, queue, bias is not None
         return F.linear(x, w, b)

@@ -80,16 +80,18 @@ class AcrossHeadsRMSNorm(nn.Module):
             raise ValueError(f"{size} rank(s) holding {local} head(s) each, {sharing} rank(s) per head, do not "
                              f"cover {self.num_heads} heads exactly once.")
 
-    def scale(self, x: torch.Tensor, squares: torch.Tensor, first_head: int, sharing: int) -> torch.Tensor:
-        """``x`` normalised by the group's per-token ``squares`` ``[b, 1, s, 1]`` and scaled by its heads' weights."""
+    def scale(self, xf: torch.Tensor, squares: torch.Tensor, first_head: int, sharing: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        """``xf`` (float32) normalised by the group's per-token ``squares`` ``[b, 1, s, 1]``, scaled by its heads'
+        weights, in ``dtype``."""
         variance = squares / (sharing * self.num_heads * self.head_dim)
-        normed = x.float() * torch.rsqrt(variance + self.eps)
-        local = x.shape[1]
+        normed = xf * torch.rsqrt(variance + self.eps)
+        local = xf.shape[1]
         weight = self.weight[first_head * self.head_dim:(first_head + local) * self.head_dim]
         weight = weight.view(1, local, 1, self.head_dim).float()
         if self.zero_centered:
             weight = 1.0 + weight
-        return (weight * normed).to(x.dtype)   # as Olmo2RMSNorm: weight times float32 norm, then cast
+        return (weight * normed).to(dtype)   # as Olmo2RMSNorm: weight times float32 norm, then cast
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, eps={self.eps}, zero_centered={self.zero_centered}"
@@ -103,9 +105,11 @@ def normalize_across_heads(norms: Sequence[Tuple[AcrossHeadsRMSNorm, torch.Tenso
     size = 1 if group is None else dist.get_world_size(group)
     for norm, x, first_head, sharing in norms:
         norm.check(x, first_head, size, sharing)
+    floats = [x.float() for _, x, _, _ in norms]
     # [b, 1, s, 1] each: this rank's share of every token's sum of squares
-    squares = [x.float().pow(2).sum(dim=(1, 3), keepdim=True) for _, x, _, _ in norms]
+    squares = [xf.pow(2).sum(dim=(1, 3), keepdim=True) for xf in floats]
     if size > 1:
         squares = list(_all_reduce_sum(torch.cat(squares, dim=-1), group).unbind(dim=-1))
         squares = [sq.unsqueeze(-1) for sq in squares]
-    return [norm.scale(x, sq, first_head, sharing) for (norm, x, first_head, sharing), sq in zip(norms, squares)]
+    return [norm.scale(xf, sq, first_head, sharing, x.dtype)
+            for (norm, x, first_head, sharing), xf, sq in zip(norms, floats, squares)]
