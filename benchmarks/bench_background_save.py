@@ -16,10 +16,14 @@ steps around the save as multiples of it, and how long the whole save took to co
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import os
+import pstats
 import shutil
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -35,6 +39,8 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     from lightning_megatron.models import GPTModel
     from lightning_megatron.transformer import TransformerConfig
 
+    if args.switch_interval is not None:   # how long a thread may keep the GIL while another waits for it
+        sys.setswitchinterval(args.switch_interval)
     marks: list = []
     # the training stream's work (what the step waits for), or every stream's (the writer's copies too)
     sync = torch.cuda.current_stream().synchronize if args.sync == "stream" else torch.cuda.synchronize
@@ -58,14 +64,39 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
 
+    stalls: list = []   # per save: the main thread's waits for the GIL (a 1 ms sleeper's late wake-ups), ms
+    sampling = threading.Event()
+
+    def sample_gil() -> None:
+        """Wake every millisecond while a save is young; a late wake-up means another thread held the GIL."""
+        while True:
+            sampling.wait()
+            before = time.perf_counter()
+            time.sleep(0.001)
+            late = (time.perf_counter() - before) * 1e3 - 1
+            if late > 5 and sampling.is_set():
+                stalls[-1].append(round(late, 1))
+
+    threading.Thread(target=sample_gil, daemon=True).start()
+
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             sync()
             marks.append(time.perf_counter())
+            if any(batch_idx == at + 3 for at in save_at):
+                sampling.clear()
             if mode != "none" and batch_idx in save_at:
+                stalls.append([])
+                sampling.set()
                 start = time.perf_counter()
-                trainer.save_checkpoint(os.path.join(folder, f"step{batch_idx}.ckpt"))
+                profiler = cProfile.Profile() if args.profile_out else None
+                with profiler or contextlib.nullcontext():
+                    trainer.save_checkpoint(os.path.join(folder, f"step{batch_idx}.ckpt"))
                 saved.setdefault("call_s", []).append(round(time.perf_counter() - start, 3))
+                if profiler is not None:   # where the save call's time goes, each save after the other
+                    with open(f"{args.profile_out}.{mode}", "a") as out:
+                        out.write(f"== save at step {batch_idx}: {saved['call_s'][-1]} s\n")
+                        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
                 saved["started"] = start
 
         def on_train_end(self, trainer, module):
@@ -89,7 +120,8 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     after = [times[at:at + 3] for at in save_at]   # the three steps after each save call
     size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files) \
         if os.path.isdir(folder) else 0
-    return {"normal_ms": normal, "after_ms": after, "call_s": saved.get("call_s"), "commit_s": saved.get("commit_s"),
+    return {"gil_stalls_ms": [{"total": round(sum(x), 1), "count": len(x), "largest": sorted(x)[-5:]} for x in stalls],
+            "normal_ms": normal, "after_ms": after, "call_s": saved.get("call_s"), "commit_s": saved.get("commit_s"),
             "params_gib": state_gib, "written_gib": size / 2**30 / len(save_at),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
@@ -111,6 +143,9 @@ def main() -> None:
     parser.add_argument("--sync", choices=("stream", "device"), default="stream",
                         help="step ends: the training stream's synchronize, or the whole device's (which also waits "
                              "for the writing thread's copies, as a loop calling torch.cuda.synchronize would)")
+    parser.add_argument("--profile-out", default=None, help="cProfile each save call, appending the top functions "
+                        "to this path + '.<mode>'")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in each run")
     parser.add_argument("--only")
     args = parser.parse_args()
     if args.only:
@@ -120,14 +155,16 @@ def main() -> None:
           f"{args.precision}  batch {args.batch}x{args.seq}", flush=True)
     for mode in args.modes.split(","):
         r = run_isolated(mode, [sys.executable, os.path.abspath(__file__), "--only", mode]
-                         + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("only", "modes")])
+                         + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                              if k not in ("only", "modes") and v is not None])
         if r is None:
             continue
         ratios = "; ".join(", ".join(f"{t / r['normal_ms']:.2f}x" for t in after) for after in r["after_ms"])
         print(f"{mode}: normal step {r['normal_ms']:.1f} ms; the 3 steps after each save call: {ratios}; save calls "
               f"{r['call_s']} s, the last committed {r['commit_s']} s after its call; parameters "
               f"{r['params_gib']:.2f} GiB, written "
-              f"{r['written_gib']:.2f} GiB per save; peak {r['peak_gib']:.1f} GiB", flush=True)
+              f"{r['written_gib']:.2f} GiB per save; peak {r['peak_gib']:.1f} GiB; GIL waits over 5 ms from each save "
+              f"call to 3 steps later: {r['gil_stalls_ms']}", flush=True)
 
 
 if __name__ == "__main__":
