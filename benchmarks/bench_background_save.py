@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import json
 import os
 import pstats
 import shutil
@@ -29,6 +30,7 @@ import time
 import torch
 
 from isolated import print_result, run_isolated   # benchmarks/isolated.py
+from timing import cuda_api_by_thread, gpu_kernels, idle_gaps   # benchmarks/timing.py
 
 
 def run_one(mode: str, args: argparse.Namespace) -> dict:
@@ -78,6 +80,19 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
                 stalls[-1].append(round(late, 1))
 
     threading.Thread(target=sample_gil, daemon=True).start()
+    tracing: list = []   # the profiler running from the last save call to 3 steps later (--trace-out)
+
+    def write_trace(prof, step_marks) -> None:
+        """The last save's 3 steps under the profiler: each thread's CUDA calls, the GPU's idle gaps, the copies."""
+        prof.stop()
+        steps = [round((b - a) * 1e3, 1) for a, b in zip(step_marks, step_marks[1:])]
+        copies = [(name, round((stop - begin) / 1e3, 2)) for name, begin, stop in gpu_kernels(prof)
+                  if "memcpy" in name.lower()]
+        with open(f"{args.trace_out}.{mode}", "w") as out:
+            json.dump({"steps_ms (profiled)": steps, "cuda_api_by_thread": cuda_api_by_thread(prof),
+                       "main_thread": threading.get_ident(), **idle_gaps(prof, 3),
+                       "copies": {"count": len(copies), "ms": round(sum(ms for _, ms in copies), 1),
+                                  "longest": sorted(copies, key=lambda c: -c[1])[:5]}}, out, indent=1, default=str)
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -85,9 +100,15 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
             marks.append(time.perf_counter())
             if any(batch_idx == at + 3 for at in save_at):
                 sampling.clear()
+            if tracing and batch_idx == save_at[-1] + 3:
+                write_trace(tracing.pop(), marks[-4:])
             if mode != "none" and batch_idx in save_at:
                 stalls.append([])
                 sampling.set()
+                if args.trace_out and batch_idx == save_at[-1]:
+                    tracing.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                      torch.profiler.ProfilerActivity.CUDA]))
+                    tracing[-1].start()
                 start = time.perf_counter()
                 profiler = cProfile.Profile() if args.profile_out else None
                 with profiler or contextlib.nullcontext():
@@ -145,6 +166,8 @@ def main() -> None:
                              "for the writing thread's copies, as a loop calling torch.cuda.synchronize would)")
     parser.add_argument("--profile-out", default=None, help="cProfile each save call, appending the top functions "
                         "to this path + '.<mode>'")
+    parser.add_argument("--trace-out", default=None, help="profile the last save's call and the 3 steps after it "
+                        "(CUDA calls per thread, GPU idle gaps, copies) into this path + '.<mode>' (JSON)")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in each run")
     parser.add_argument("--only")
     args = parser.parse_args()

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from isolated import print_result, run_isolated   # benchmarks/isolated.py
+from timing import idle_gaps   # benchmarks/timing.py
 
 SHAPES = {
     # Llama-3.2-1B: 16 layers, hidden 2048, 32 heads, 8 kv heads, SwiGLU 8192, vocabulary 128256, untied head
@@ -278,31 +279,6 @@ def kernel_summary(prof, steps: int) -> dict:
     return {"by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "total_ms": round(sum(kinds.values()), 2), "top_ms": {k: round(v, 2) for k, v in top.items()},
             **idle_gaps(prof, steps)}
-
-
-def idle_gaps(prof, steps: int, at_least_us: float = 20.0) -> dict:
-    """Where the GPU sat idle (no kernel or copy on any stream): busy and idle ms per step, and the idle time
-    between each pair of kernels (before -> after, names cut short) summed over the gaps of at least
-    ``at_least_us``: what the GPU waited for (host launches, synchronisations, the data loader)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from timing import gpu_kernels
-
-    kernels = gpu_kernels(prof)
-    if not kernels:
-        return {}
-    busy, end, last, gaps = 0.0, kernels[0][1], kernels[0][0], {}
-    for name, start, stop in kernels:
-        if start - end >= at_least_us:
-            pair = f"{last[:45]} -> {name[:45]}"
-            count, total = gaps.get(pair, (0, 0.0))
-            gaps[pair] = (count + 1, total + (start - end))
-        if stop > end:
-            busy += stop - max(start, end)
-            end, last = stop, name
-    span = kernels[-1][2] - kernels[0][1]
-    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"busy_ms": round(busy / 1e3 / steps, 2), "idle_ms": round((span - busy) / 1e3 / steps, 2),
-            "idle_gaps_ms (count, ms per step)": {k: (c // steps, round(t / 1e3 / steps, 2)) for k, (c, t) in top}}
 
 
 def apply_peer_tp(model: PeerLlama, mesh) -> None:

@@ -55,3 +55,41 @@ def gpu_busy_ms(prof, steps: int, skip: Tuple[str, ...] = ()) -> float:
             busy_us += stop - max(start, end)
             end = stop
     return busy_us / steps / 1e3
+
+
+def idle_gaps(prof, steps: int, at_least_us: float = 20.0) -> dict:
+    """Where the GPU sat idle (no kernel or copy on any stream): busy and idle ms per step, and the idle time
+    between each pair of kernels (before -> after, names cut short) summed over the gaps of at least
+    ``at_least_us``: what the GPU waited for (host launches, synchronisations, the data loader)."""
+    kernels = gpu_kernels(prof)
+    if not kernels:
+        return {}
+    busy, end, last, gaps = 0.0, kernels[0][1], kernels[0][0], {}
+    for name, start, stop in kernels:
+        if start - end >= at_least_us:
+            pair = f"{last[:45]} -> {name[:45]}"
+            count, total = gaps.get(pair, (0, 0.0))
+            gaps[pair] = (count + 1, total + (start - end))
+        if stop > end:
+            busy += stop - max(start, end)
+            end, last = stop, name
+    span = kernels[-1][2] - kernels[0][1]
+    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"busy_ms": round(busy / 1e3 / steps, 2), "idle_ms": round((span - busy) / 1e3 / steps, 2),
+            "idle_gaps_ms (count, ms per step)": {k: (c // steps, round(t / 1e3 / steps, 2)) for k, (c, t) in top}}
+
+
+def cuda_api_by_thread(prof, top: int = 8) -> dict:
+    """Per host thread, the CUDA runtime/driver calls that took longest in total under ``prof``: ``{thread:
+    {call: (count, total ms, longest ms)}}``. A call that waits for another thread's work (a copy engine, a
+    lock in the driver) shows here as long launches or copies on the thread that waited."""
+    calls: dict = {}
+    for event in prof.events():
+        if event.device_type.name != "CPU" or not event.name.startswith("cu"):
+            continue
+        ms = (event.time_range.end - event.time_range.start) / 1e3
+        count, total, longest = calls.setdefault(event.thread, {}).get(event.name, (0, 0.0, 0.0))
+        calls[event.thread][event.name] = (count + 1, total + ms, max(longest, ms))
+    return {thread: {name: (c, round(t, 2), round(m, 2))
+                     for name, (c, t, m) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]}
+            for thread, by_name in calls.items()}

@@ -388,6 +388,10 @@ MUTATIONS: List[Mutation] = [
              "    return Entry(entry.key, entry.placement, [target])\n", "    return entry\n",
              (f"{STRATEGY}/test_background_save.py::test_background_saves_resume_like_synchronous_ones_bit_for_bit",),
              ci=False),
+    Mutation("background-save-buffers-not-reserved", "lightning_megatron/adapter/checkpoint_hooks.py",
+             "        if self._fitting and id(optimizer) not in self._reserved", "        if False",
+             (f"{STRATEGY}/test_background_save.py::test_the_host_buffers_are_made_after_the_first_optimizer_step_"
+              "not_at_the_first_save",), ci=False),
     Mutation("checksum-not-compared", "lightning_megatron/checkpoint/checksums.py",
              "if length != sinfo.length or actual != expected:", "if length != sinfo.length:",
              ("tests/unit/checkpoint/test_checkpoint_checksums.py",), ci=False),

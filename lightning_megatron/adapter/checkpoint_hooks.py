@@ -34,6 +34,7 @@ class ShardedCheckpointHooks(ParallelStrategy):
     _final_optimizer_states: Dict[int, FullOptimizerView]
     _background: Optional[BackgroundSaver] = None   # the writer of background saves (made at the first one)
     _fitting = False    # between on_train_start and on_train_end: saves may go on in the background
+    _reserved: frozenset = frozenset()   # optimizers (ids) whose state has background-save host buffers (fit)
 
     if TYPE_CHECKING:   # what the strategy provides
         def _state(self) -> ParallelState: ...
@@ -46,10 +47,24 @@ class ShardedCheckpointHooks(ParallelStrategy):
         self._fitting = True
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """After the first optimizer step of fit with background saves (``AsyncCheckpointIO``), the host buffers
+        the saves copy into are made (its state exists then; once per optimizer): the first save no longer pays
+        ``cudaHostAlloc`` for the whole state while training waits (seconds for gigabytes)."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._fitting and id(optimizer) not in self._reserved and save_options(self.checkpoint_io)[0]:
+            self._reserved = self._reserved | {id(optimizer)}
+            if self._background is None:
+                self._background = BackgroundSaver()
+            assert self.lightning_module is not None
+            self._background.reserve([self.lightning_module], self._checkpoint_optimizers(saving=True))
+        return out
+
+    @override
     def on_train_end(self) -> None:
         """The last background save is finished (its error raised). The process groups go with ``teardown``: keep the
         whole optimizer state (host memory) for a ``trainer.save_checkpoint`` after ``fit``."""
-        self._fitting = False
+        self._fitting, self._reserved = False, frozenset()
         if self._background is not None:
             self._background.wait()
         self.finish_param_sync()

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .collective import agree, distributed
 from .entries import Modules
 from .errors import CheckpointError
-from .sharded import Optimizers, SaveJob, prepare_save
-from .stage import to_host
+from .sharded import Optimizers, SaveJob, collect_save, prepare_save
+from .stage import reserve, to_host
 
 
 class BackgroundSaver:
@@ -62,6 +62,13 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=self._write, args=(job, group, landings[0]), daemon=True,
                                         name=f"lightning-megatron checkpoint {job.path}")
         self._thread.start()
+
+    def reserve(self, model_modules: Modules, optimizers: Optimizers = None) -> int:
+        """Make the host buffers the saves of this state will use (pinned for GPU tensors) now, at a point where a
+        stall is expected (after the first optimizer step), not at the first save; the bytes made. Not collective."""
+        self.wait()
+        entries, _ = collect_save(model_modules, optimizers)
+        return reserve(entries, self._buffers)
 
     def _training_peak(self, entries: List[Any]) -> Optional[int]:
         """The most GPU memory training allocated, less the last save's clones, which the allocator's peak may

@@ -71,6 +71,27 @@ class SaveJob:
         folder.commit(self.staging, self.path, group)
 
 
+def collect_save(model_modules: Modules, optimizers: Optimizers = None, extra_state: Any = None, *,
+                 rank_state: Any = None) -> Tuple[List[Entry], Dict[str, Any]]:
+    """What this rank writes: the tensor entries (model, then optimizer state) and the objects (not collective)."""
+    model = model_entries(model_modules)
+    entries: List[Entry] = list(model.by_name.values())
+    blobs: Dict[str, Any] = {}
+    for i, optimizer in enumerate(as_list(optimizers)):
+        tensors, objects = optimizer_entries(optimizer, i, model.of_param)
+        entries += tensors.values()
+        blobs.update(objects)
+        if rank() == 0:
+            blobs[param_groups_key(i)] = hyperparameters(optimizer)
+    if rank() == 0:
+        blobs[INFO] = layout_info()
+        if extra_state is not None:
+            blobs[EXTRA_STATE] = extra_state
+    if rank_state is not None:
+        blobs[rank_state_key(rank())] = rank_state
+    return entries, blobs
+
+
 def prepare_save(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
                  extra_state: Any = None, *, rank_state: Any = None, checksums: bool = False,
                  stage: Optional[Callable[[List[Entry], Dict[str, Any]], Tuple[List[Entry], Dict[str, Any]]]] = None,
@@ -82,20 +103,7 @@ def prepare_save(path: Union[str, os.PathLike], model_modules: Modules, optimize
     entries: List[Entry] = []
     blobs: Dict[str, Any] = {}
     try:
-        model = model_entries(model_modules)
-        entries = list(model.by_name.values())
-        for i, optimizer in enumerate(as_list(optimizers)):
-            tensors, objects = optimizer_entries(optimizer, i, model.of_param)
-            entries += tensors.values()
-            blobs.update(objects)
-            if rank() == 0:
-                blobs[param_groups_key(i)] = hyperparameters(optimizer)
-        if rank() == 0:
-            blobs[INFO] = layout_info()
-            if extra_state is not None:
-                blobs[EXTRA_STATE] = extra_state
-        if rank_state is not None:
-            blobs[rank_state_key(rank())] = rank_state
+        entries, blobs = collect_save(model_modules, optimizers, extra_state, rank_state=rank_state)
         if stage is not None:
             entries, blobs = stage(entries, blobs)
     except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank

@@ -7,10 +7,14 @@ into pinned host buffers on a stream of its own while training goes on, and free
 room for the clones the GPU tensors are copied to the host buffers on the current stream, as part of the next step
 (which then waits for the copy).
 
-Host buffers are kept from one save to the next, by key. The pinned ones are made by the calling thread at the
-first save (``cudaHostAlloc``: seconds for gigabytes, once): made in the writing thread they stalled the training
-thread's CUDA calls as long (GPT-1.3B on an H200: the step after the first save took 36x its time), and pageable
-buffers, filled at a few GB/s, kept the copies going for seconds.
+Host buffers are kept from one save to the next, by key. The pinned ones are made by the calling thread
+(``cudaHostAlloc``: seconds for gigabytes, once), ahead of the first save where the strategy can (``reserve``, after
+the first optimizer step) or else at it: made in the writing thread they stalled the training thread's CUDA calls as
+long (GPT-1.3B on an H200: the step after the first save took 36x its time), and pageable buffers, filled at a few
+GB/s, kept the copies going for seconds. The writing thread copies in slices of ``LAND_CHUNK_BYTES``, one slice in
+flight at a time, so a copy engine is never queued up for long with its gigabytes: the steps after a save with the
+clones copied whole took 1.4-7x their time (not profiled yet; a training-side transfer waiting behind them is the
+suspect).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from .planner import Pickled
 
 #: GPU memory kept free beside the step's own peak when deciding whether the clones fit
 HEADROOM_BYTES = 1 << 30
+#: the most bytes the writing thread has in flight from GPU clones to host buffers
+LAND_CHUNK_BYTES = 64 << 20
 
 
 class Snapshot(NamedTuple):
@@ -84,20 +90,55 @@ def _land_clones(entries: List[Entry], buffers: Dict[str, torch.Tensor],
 
     def land() -> List[Entry]:
         stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(cloned)
-            landed = [_host_entry(e, clones[e.key], buffers, non_blocking=True) if e.key in clones else e
-                      for e in staged]
-        stream.synchronize()
-        clones.clear()   # back to the allocator: their copies are done, so training may reuse the memory
+        stream.wait_event(cloned)
+        landed = []
+        for entry in staged:
+            clone = clones.pop(entry.key, None)
+            if clone is None:
+                landed.append(entry)
+                continue
+            target = _host_buffer(entry.key, clone, buffers)
+            _copy_in_slices(target, clone, stream)
+            del clone   # back to the allocator: its copy is done, so training may reuse the memory
+            landed.append(Entry(entry.key, entry.placement, [target]))
         return landed
     return land
+
+
+def _copy_in_slices(target: torch.Tensor, source: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Copy GPU ``source`` into pinned host ``target`` on ``stream``, ``LAND_CHUNK_BYTES`` at a time, waiting for
+    each slice before the next is queued."""
+    with torch.cuda.stream(stream):
+        if not (source.is_contiguous() and target.is_contiguous()):
+            target.copy_(source, non_blocking=True)   # strided (rare): whole
+            stream.synchronize()
+            return
+        flat_source, flat_target = source.view(-1), target.view(-1)
+        step = max(LAND_CHUNK_BYTES // max(source.element_size(), 1), 1)
+        for start in range(0, flat_source.numel(), step):
+            flat_target[start:start + step].copy_(flat_source[start:start + step], non_blocking=True)
+            stream.synchronize()
+
+
+def reserve(entries: List[Entry], buffers: Dict[str, torch.Tensor]) -> int:
+    """Make the host buffers of ``entries`` now (pinned for GPU tensors) so that no save pays for them; the bytes
+    made."""
+    made = 0
+    for entry in entries:
+        if entry.key not in buffers or not _fits(buffers[entry.key], entry.local):
+            made += entry.local.numel() * entry.local.element_size()
+        _host_buffer(entry.key, entry.local, buffers)
+    return made
+
+
+def _fits(buffer: torch.Tensor, source: torch.Tensor) -> bool:
+    return buffer.shape == source.shape and buffer.dtype == source.dtype
 
 
 def _host_buffer(key: str, source: torch.Tensor, buffers: Dict[str, torch.Tensor]) -> torch.Tensor:
     """The host buffer kept for ``key``, made (pinned for a GPU source) if missing or of another shape/dtype."""
     target = buffers.get(key)
-    if target is None or target.shape != source.shape or target.dtype != source.dtype:
+    if target is None or not _fits(target, source):
         target = buffers[key] = torch.empty_like(source, device="cpu", pin_memory=source.is_cuda)
     return target
 

@@ -71,3 +71,16 @@ def test_clones_are_freed_once_written_and_refused_without_room(tmp_path):
     assert not stage_module._clones_fit(total, torch.device("cuda"))
     assert stage_module._clones_fit(1 << 20, torch.device("cuda"))
     saver.close()
+
+
+@pytest.mark.parametrize("shape, contiguous", [((1000, 37), True), ((37, 1000), False), ((5,), True)])
+def test_the_clones_land_in_slices_exactly(monkeypatch, shape, contiguous):
+    """The writing thread's slice-by-slice copy (a slice far smaller than the tensor here) gives the whole tensor,
+    strided ones too."""
+    monkeypatch.setattr(stage_module, "LAND_CHUNK_BYTES", 4096)
+    source = torch.randn(*shape, device="cuda").to(torch.bfloat16)
+    if not contiguous:
+        source = source.t()
+    target = torch.empty_like(source, device="cpu", pin_memory=True)
+    stage_module._copy_in_slices(target, source, torch.cuda.Stream())
+    assert torch.equal(target, source.cpu())

@@ -138,3 +138,35 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_previous_ch
     assert "step=3.ckpt" not in names and is_checkpoint(tmp_path / "ckpts" / "step=2.ckpt"), names
     for straight, resumed in run_on_ranks(_resume, 2, str(tmp_path), 2, timeout=300):
         assert resumed == straight[2:]
+
+
+def _host_buffers_at_each_save(root):
+    """What ``to_host`` finds at each background save: the host buffers already there (keys and identities) and
+    the entries it snapshots; and the buffers after it."""
+    from lightning_megatron.checkpoint import background
+
+    seen, original = [], background.to_host
+
+    def recording(entries, blobs, buffers, training_peak=None):
+        before = {key: id(buffer) for key, buffer in buffers.items()}
+        snapshot = original(entries, blobs, buffers, training_peak)
+        seen.append((before, sorted(e.key for e in entries), {key: id(b) for key, b in buffers.items()}))
+        return snapshot
+
+    background.to_host = recording
+    try:
+        _fit(os.path.join(root, "ckpts"), 2, True)
+    finally:
+        background.to_host = original
+    return seen
+
+
+def test_the_host_buffers_are_made_after_the_first_optimizer_step_not_at_the_first_save(tmp_path):
+    """With background saves the buffers every save copies into exist before the first save (made after the first
+    optimizer step, every AdamW state included): no save makes one, and every save reuses the same buffers."""
+    for seen in run_on_ranks(_host_buffers_at_each_save, 2, str(tmp_path), timeout=300):
+        assert len(seen) == 2
+        for before, keys, after in seen:
+            assert any(".exp_avg_sq" in key for key in keys)
+            assert sorted(before) == keys and before == after
+        assert seen[0][2] == seen[1][2]
