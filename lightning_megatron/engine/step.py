@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context_parallel import sequence_keys, split_for_context_parallel
+from .activation_shapes import ActivationShapes, learning_enabled, signature
 from .microbatches import batch_size_of, split_into_microbatches
 from ..moe import TopKRouter, set_aux_loss_scale
 from ..parallel import ParallelState
@@ -175,6 +176,8 @@ class StepEngine:
         self.partial_graphs: Any = None
         self.full_graph: Any = None
         self._static_activation_shape: Optional[tuple] = None   # learned by the eager steps before a capture
+        self.activation_shapes = ActivationShapes()   # exchanged without headers once learned (activation_shapes.py)
+        self.learn_shapes = learning_enabled()
         if cuda_graph is not None:
             self._build_graphs(cuda_graph_scope, cuda_graph_warmup_steps, cuda_graph_backend)
 
@@ -249,7 +252,10 @@ class StepEngine:
         log_error: List[LogError] = []
         shapes: List[tuple] = []
 
-        record_shapes = self.full_graph is not None and state.pp_size > 1   # what a full-step capture needs
+        key = signature(microbatches) if state.pp_size > 1 and self.learn_shapes else None
+        known = self.activation_shapes.known(key) if key is not None else None
+        # what a full-step capture needs, and what a step exchanging shape headers learns
+        record_shapes = state.pp_size > 1 and (self.full_graph is not None or (key is not None and known is None))
 
         def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
             for root in roots:
@@ -296,6 +302,8 @@ class StepEngine:
                                                            self.chunks, self.group_size))
         if in_graph and self._static_activation_shape is not None:
             shape_args: Dict[str, Any] = {"tensor_shape": self._static_activation_shape, "variable_seq_lengths": False}
+        elif not in_graph and known is not None:   # learned for these micro-batch shapes: no headers, no host sync
+            shape_args = {"tensor_shape": known, "variable_seq_lengths": False}
         else:   # sent ahead (any length); inside a full-step graph nothing may be read on the host
             shape_args = {"variable_seq_lengths": True}
         try:
@@ -310,8 +318,10 @@ class StepEngine:
                 with state.running_chunk(chunk) if self.chunks > 1 else contextlib.nullcontext():
                     for root in roots:
                         root.set_input_tensor(None)
-        if shapes:
+        if shapes and self.full_graph is not None:
             self._static_activation_shape = shapes[-1]
+        if key is not None and known is None and not in_graph:
+            self.activation_shapes.learn(key, shapes, state.pp_group, self.device)
         reported = None
         if self.is_last_stage and not forward_only and results:
             if self.per_token:   # [sum of losses, token count] of this rank's micro-batches

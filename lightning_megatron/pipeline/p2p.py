@@ -133,7 +133,9 @@ class PipelineP2P:
                 f"PipelineP2P.{name}: tensor has shape {tuple(tensor.shape)} but "
                 f"tensor_shape={tuple(self.tensor_shape)}; fix tensor_shape (with sequence "
                 f"parallelism the sequence dim is divided by the tp size) or set "
-                f"variable_seq_lengths=True if lengths differ between micro-batches.")
+                f"variable_seq_lengths=True if lengths differ between micro-batches. Through the strategy (the shape "
+                f"learned from an earlier step of micro-batches of the same shapes): a stage whose output shape "
+                f"depends on the values of its input needs LIGHTNING_MEGATRON_PIPELINE_SHAPES=exchange.")
 
     def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
         def header(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
