@@ -7,33 +7,19 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_megatron.distributed.config import GradientConfig
 from lightning_megatron.distributed.gradients import GradientState
 from lightning_megatron.engine import StepEngine
 from lightning_megatron.engine.activation_shapes import ENV, learning_enabled, one_shape, signature
 from lightning_megatron.engine.train_step import TrainStep
-from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel import ParallelLayout, ParallelState
-from lightning_megatron.pipeline import VirtualChunks
 from lightning_megatron.pipeline.p2p import PipelineP2P
 from lightning_megatron.testing import run_on_ranks
-from lightning_megatron.transformer import TransformerConfig
+from helpers.engine_utils import TinyLM
 from helpers.strategy_utils import VOCAB, full_parameters
 
 SEQ = 16
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        cfg = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
-                                attention_dropout=0.0)
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank))
-
-    def forward(self, batch):
-        return self.model(batch["input_ids"], labels=batch["labels"])
 
 
 def _batches(lengths):
@@ -50,7 +36,7 @@ def _train(mode, vpp, lengths):
     os.environ[ENV] = mode
     state = ParallelState(ParallelLayout(2, pp=2), virtual_pipeline_size=vpp).activate()
     torch.manual_seed(0)
-    module = TinyLM()
+    module = TinyLM(SEQ)
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
     engine = StepEngine(module, state, device=torch.device("cpu"), micro_batch_size=2)
     grads = GradientState(list(module.parameters()), state, GradientConfig(), optimizers=[optimizer],

@@ -8,31 +8,17 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_megatron.distributed.config import GradientConfig
 from lightning_megatron.distributed.gradients import GradientState
 from lightning_megatron.engine import StageOutput, StepEngine
 from lightning_megatron.engine.train_step import TrainStep
-from lightning_megatron.models import GPTModel
 from lightning_megatron.parallel import ParallelLayout, ParallelState
-from lightning_megatron.pipeline import VirtualChunks
 from lightning_megatron.testing import run_on_ranks
-from lightning_megatron.transformer import TransformerConfig
+from helpers.engine_utils import TinyLM
 from helpers.strategy_utils import SEQ, VOCAB, assert_same_updates, full_parameters
 
 GLOBAL_BATCH, STEPS, LR = 8, 3, 2.0
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        cfg = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
-                                attention_dropout=0.0)
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank))
-
-    def forward(self, batch):
-        return self.model(batch["input_ids"], labels=batch["labels"])
 
 
 def _batches():
