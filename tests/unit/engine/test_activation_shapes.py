@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_megatron.distributed.config import GradientConfig
 from lightning_megatron.distributed.gradients import GradientState
@@ -107,3 +108,63 @@ def test_the_setting_is_checked(monkeypatch):
     monkeypatch.setenv(ENV, "sometimes")
     with pytest.raises(ValueError, match="LIGHTNING_MEGATRON_PIPELINE_SHAPES='sometimes': use 'learn'"):
         learning_enabled()
+
+
+class _Stage(nn.Module):
+    """Pipeline stage ``rank`` of 4: the second turns activations of 8 features into 4, the others keep theirs."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank, self.input = rank, None
+        self.linear = nn.Linear(8 if rank <= 1 else 4, 8 if rank == 0 else 4)
+
+    def set_input_tensor(self, tensor):
+        self.input = tensor
+
+    def forward(self, batch):
+        return self.linear(batch["x"] if self.rank == 0 else self.input)
+
+
+class _Pipeline(nn.Module):
+    def __init__(self, rank):
+        super().__init__()
+        self.stage = _Stage(rank)
+
+    def forward(self, batch):
+        return self.stage(batch)
+
+
+def _shape_changing_stages():
+    """Two training steps of 4 stages where one stage changes the activation shape; headers per step on this rank."""
+    os.environ[ENV] = "learn"
+    state = ParallelState(ParallelLayout(4, pp=4)).activate()
+    torch.manual_seed(0)
+    module = _Pipeline(state.pp_rank)
+    engine = StepEngine(module, state, device=torch.device("cpu"), micro_batch_size=2)
+    headers, original = [], PipelineP2P._exchange_shapes
+
+    def counting(self, *args):
+        headers[-1] += 1
+        return original(self, *args)
+
+    PipelineP2P._exchange_shapes = counting
+
+    def last_stage(microbatch):
+        loss = module(microbatch).square().mean()
+        return loss, loss.detach()
+
+    try:
+        for _ in range(2):
+            headers.append(0)
+            engine.run({"x": torch.randn(4, 8)}, last_stage)
+    finally:
+        PipelineP2P._exchange_shapes = original
+        engine.close()
+    return headers
+
+
+def test_no_stage_learns_a_shape_unless_every_stage_saw_the_same_one():
+    """The first and last stages each see one shape, the second two: had the first learned its own, it would send
+    without the header the second waits for. Every stage keeps exchanging headers."""
+    for headers in run_on_ranks(_shape_changing_stages, 4, timeout=90):
+        assert len(headers) == 2 and all(n > 0 for n in headers), headers
