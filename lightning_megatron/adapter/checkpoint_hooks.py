@@ -34,7 +34,7 @@ class ShardedCheckpointHooks(ParallelStrategy):
     _final_optimizer_states: Dict[int, FullOptimizerView]
     _background: Optional[BackgroundSaver] = None   # the writer of background saves (made at the first one)
     _fitting = False    # between on_train_start and on_train_end: saves may go on in the background
-    _reserved: frozenset = frozenset()   # optimizers (ids) whose state has background-save host buffers (fit)
+    _reserved: frozenset = frozenset()   # optimizers (ids) stepped in this fit (their background-save buffers made)
 
     if TYPE_CHECKING:   # what the strategy provides
         def _state(self) -> ParallelState: ...
@@ -52,12 +52,13 @@ class ShardedCheckpointHooks(ParallelStrategy):
         the saves copy into are made (its state exists then; once per optimizer): the first save no longer pays
         ``cudaHostAlloc`` for the whole state while training waits (seconds for gigabytes)."""
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._fitting and id(optimizer) not in self._reserved and save_options(self.checkpoint_io)[0]:
+        if self._fitting and id(optimizer) not in self._reserved:   # once per optimizer and fit
             self._reserved = self._reserved | {id(optimizer)}
-            if self._background is None:
-                self._background = BackgroundSaver()
-            assert self.lightning_module is not None
-            self._background.reserve([self.lightning_module], self._checkpoint_optimizers(saving=True))
+            if save_options(self.checkpoint_io)[0]:
+                if self._background is None:
+                    self._background = BackgroundSaver()
+                assert self.lightning_module is not None
+                self._background.reserve([self.lightning_module], self._checkpoint_optimizers(saving=True))
         return out
 
     @override

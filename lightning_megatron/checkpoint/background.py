@@ -63,12 +63,11 @@ class BackgroundSaver:
                                         name=f"lightning-megatron checkpoint {job.path}")
         self._thread.start()
 
-    def reserve(self, model_modules: Modules, optimizers: Optimizers = None) -> int:
+    def reserve(self, model_modules: Modules, optimizers: Optimizers = None) -> None:
         """Make the host buffers the saves of this state will use (pinned for GPU tensors) now, at a point where a
-        stall is expected (after the first optimizer step), not at the first save; the bytes made. Not collective."""
+        stall is expected (after the first optimizer step), not at the first save. Not collective."""
         self.wait()
-        entries, _ = collect_save(model_modules, optimizers)
-        return reserve(entries, self._buffers)
+        reserve(collect_save(model_modules, optimizers)[0], self._buffers)
 
     def _training_peak(self, entries: List[Any]) -> Optional[int]:
         """The most GPU memory training allocated, less the last save's clones, which the allocator's peak may

@@ -120,15 +120,10 @@ def _copy_in_slices(target: torch.Tensor, source: torch.Tensor, stream: torch.cu
             stream.synchronize()
 
 
-def reserve(entries: List[Entry], buffers: Dict[str, torch.Tensor]) -> int:
-    """Make the host buffers of ``entries`` now (pinned for GPU tensors) so that no save pays for them; the bytes
-    made."""
-    made = 0
+def reserve(entries: List[Entry], buffers: Dict[str, torch.Tensor]) -> None:
+    """Make the host buffers of ``entries`` now (pinned for GPU tensors) so that no save pays for them."""
     for entry in entries:
-        if entry.key not in buffers or not _fits(buffers[entry.key], entry.local):
-            made += entry.local.numel() * entry.local.element_size()
         _host_buffer(entry.key, entry.local, buffers)
-    return made
 
 
 def _fits(buffer: torch.Tensor, source: torch.Tensor) -> bool:

@@ -7,7 +7,8 @@ Megatron-Core asks the user for the shape (``seq_length``, ``micro_batch_size``,
 step with headers shows it: when every activation every stage sent or received in that step had one shape, and every
 stage agrees on it (one small all-gather over the pipeline group, in that step only), later steps whose micro-batches
 have the same shapes and dtypes exchange without headers. Micro-batches of another shape (a ragged last batch,
-validation at another length) exchange with headers and are learned in turn.
+validation at another length) exchange with headers and are learned in turn. A full-step CUDA graph uses the
+shape its eager warm-up learned (nothing may be read on the host inside the graph).
 
 Stages whose output shape depends on the values in a micro-batch, not only on its shape, must keep the headers:
 ``LIGHTNING_MEGATRON_PIPELINE_SHAPES=exchange`` (the default is ``learn``); a learned shape that a later send does
@@ -40,13 +41,13 @@ def learning_enabled() -> bool:
 
 
 def signature(microbatches: Sequence[Any]) -> Signature:
-    """What the activations' shapes may depend on: every micro-batch's tensors' shapes and dtypes, in order."""
-    out = []
-    for microbatch in microbatches:
-        leaves, spec = tree_flatten(microbatch)
-        out.append((str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                                     for t in leaves)))
-    return tuple(out)
+    """What the activations' shapes may depend on: the micro-batches' structure (one, cut from one batch) and every
+    micro-batch's tensors' shapes and dtypes, in order."""
+    if not microbatches:
+        return ()
+    spec = str(tree_flatten(microbatches[0])[1])
+    return (spec,) + tuple(tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                                 for t in tree_flatten(microbatch)[0]) for microbatch in microbatches)
 
 
 def one_shape(shapes: Sequence[Shape]) -> Optional[Shape]:

@@ -175,7 +175,6 @@ class StepEngine:
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
         self.full_graph: Any = None
-        self._static_activation_shape: Optional[tuple] = None   # learned by the eager steps before a capture
         self.activation_shapes = ActivationShapes()   # exchanged without headers once learned (activation_shapes.py)
         self.learn_shapes = learning_enabled()
         if cuda_graph is not None:
@@ -252,10 +251,13 @@ class StepEngine:
         log_error: List[LogError] = []
         shapes: List[tuple] = []
 
-        key = signature(microbatches) if state.pp_size > 1 and self.learn_shapes else None
+        # activation shapes (``activation_shapes.py``): learned by a step with headers, then exchanged without; a
+        # full-step graph needs them (nothing may be read on the host inside it), so its eager warm-up learns them
+        # whatever LIGHTNING_MEGATRON_PIPELINE_SHAPES says
+        use_learned = state.pp_size > 1 and (self.learn_shapes or in_graph)
+        key = signature(microbatches) if use_learned else None
         known = self.activation_shapes.known(key) if key is not None else None
-        # what a full-step capture needs, and what a step exchanging shape headers learns
-        record_shapes = state.pp_size > 1 and (self.full_graph is not None or (key is not None and known is None))
+        record_shapes = key is not None and known is None
 
         def step(microbatch: Any, _chunk: Any, ctx: Any) -> Any:
             for root in roots:
@@ -300,11 +302,9 @@ class StepEngine:
             # per-layer graphs replay in exactly the order this schedule runs the layers
             self.partial_graphs.begin_step(_schedule_order(len(microbatches), state.pp_size, state.pp_rank,
                                                            self.chunks, self.group_size))
-        if in_graph and self._static_activation_shape is not None:
-            shape_args: Dict[str, Any] = {"tensor_shape": self._static_activation_shape, "variable_seq_lengths": False}
-        elif not in_graph and known is not None:   # learned for these micro-batch shapes: no headers, no host sync
-            shape_args = {"tensor_shape": known, "variable_seq_lengths": False}
-        else:   # sent ahead (any length); inside a full-step graph nothing may be read on the host
+        if known is not None:   # learned for these micro-batch shapes: no headers, no host sync
+            shape_args: Dict[str, Any] = {"tensor_shape": known, "variable_seq_lengths": False}
+        else:   # sent ahead (any length)
             shape_args = {"variable_seq_lengths": True}
         try:
             forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
@@ -318,9 +318,7 @@ class StepEngine:
                 with state.running_chunk(chunk) if self.chunks > 1 else contextlib.nullcontext():
                     for root in roots:
                         root.set_input_tensor(None)
-        if shapes and self.full_graph is not None:
-            self._static_activation_shape = shapes[-1]
-        if key is not None and known is None and not in_graph:
+        if key is not None and known is None:
             self.activation_shapes.learn(key, shapes, state.pp_group, self.device)
         reported = None
         if self.is_last_stage and not forward_only and results:

@@ -2,6 +2,7 @@
 synchronisation per exchange): the updates stay bit for bit those of exchanging headers every time, micro-batches of
 another shape are learned in turn, and ``LIGHTNING_MEGATRON_PIPELINE_SHAPES=exchange`` keeps the headers."""
 
+import contextlib
 import os
 
 import pytest
@@ -21,6 +22,22 @@ from helpers.engine_utils import TinyLM
 from helpers.strategy_utils import VOCAB, full_parameters
 
 SEQ = 16
+
+
+@contextlib.contextmanager
+def counting_headers(headers):
+    """Count each shape-header exchange into ``headers[-1]`` while inside."""
+    original = PipelineP2P._exchange_shapes
+
+    def counting(self, *args):
+        headers[-1] += 1
+        return original(self, *args)
+
+    PipelineP2P._exchange_shapes = counting
+    try:
+        yield
+    finally:
+        PipelineP2P._exchange_shapes = original
 
 
 def _batches(lengths):
@@ -43,36 +60,28 @@ def _train(mode, vpp, lengths):
     grads = GradientState(list(module.parameters()), state, GradientConfig(), optimizers=[optimizer],
                           modules=[module])
     train = TrainStep(engine, grads, [module])
-    headers, original = [], PipelineP2P._exchange_shapes
-
-    def counting(self, *args):
-        headers[-1] += 1
-        return original(self, *args)
-
-    PipelineP2P._exchange_shapes = counting
+    headers = []   # per step (or run): the shape headers this rank exchanged
 
     def last_stage(microbatch):
         loss = module(microbatch).mean()
         return loss, loss.detach()
 
     losses = []
-    try:
+    with counting_headers(headers):
         for batch in _batches(lengths):
             headers.append(0)
             losses.append(float(train.step(batch, last_stage, optimizer).loss))
         for _ in range(2):   # validation: the same shapes (learned in training)
             headers.append(0)
-            evaluated = engine.run(_batches([SEQ])[0], last_stage, forward_only=True)
+            engine.run(_batches([SEQ])[0], last_stage, forward_only=True)
         ragged = {k: v[:3] for k, v in _batches([SEQ])[0].items()}
         for _ in range(2):   # a ragged batch: micro-batches of 2 and 1 rows have no one shape, never learned
             headers.append(0)
             engine.run(ragged, last_stage, forward_only=True)
         params = full_parameters(module)   # collective
-    finally:
-        PipelineP2P._exchange_shapes = original
-        engine.close()
-        grads.close()
-    return losses, params if dist.get_rank() == 0 else None, headers, evaluated is not None
+    engine.close()
+    grads.close()
+    return losses, params if dist.get_rank() == 0 else None, headers
 
 
 @pytest.mark.parametrize("vpp", [None, 2])
@@ -80,7 +89,7 @@ def test_shapes_are_learned_once_per_micro_batch_shape_and_the_updates_stay_exac
     lengths = [SEQ, SEQ, SEQ // 2, SEQ, SEQ // 2, SEQ // 2]
     learned = run_on_ranks(_train, 2, "learn", vpp, lengths, timeout=240)
     exchanged = run_on_ranks(_train, 2, "exchange", vpp, lengths, timeout=240)
-    for (losses, params, headers, _), (ref_losses, ref_params, ref_headers, _) in zip(learned, exchanged):
+    for (losses, params, headers), (ref_losses, ref_params, ref_headers) in zip(learned, exchanged):
         assert losses == ref_losses   # bit for bit
         if params is not None:
             for name in ref_params:
@@ -141,25 +150,17 @@ def _shape_changing_stages():
     torch.manual_seed(0)
     module = _Pipeline(state.pp_rank)
     engine = StepEngine(module, state, device=torch.device("cpu"), micro_batch_size=2)
-    headers, original = [], PipelineP2P._exchange_shapes
-
-    def counting(self, *args):
-        headers[-1] += 1
-        return original(self, *args)
-
-    PipelineP2P._exchange_shapes = counting
+    headers = []   # per step (or run): the shape headers this rank exchanged
 
     def last_stage(microbatch):
         loss = module(microbatch).square().mean()
         return loss, loss.detach()
 
-    try:
+    with counting_headers(headers):
         for _ in range(2):
             headers.append(0)
             engine.run({"x": torch.randn(4, 8)}, last_stage)
-    finally:
-        PipelineP2P._exchange_shapes = original
-        engine.close()
+    engine.close()
     return headers
 
 
