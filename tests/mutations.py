@@ -385,7 +385,9 @@ MUTATIONS: List[Mutation] = [
              ci=False),
     # checkpoints: background saves write a snapshot; checksums are checked
     Mutation("background-save-without-snapshot", "lightning_megatron/checkpoint/stage.py",
-             "    return Entry(entry.key, entry.placement, [target])\n", "    return entry\n",
+             "    copy_cpu()   # at the save's point: training changes these tensors once the call returns\n"
+             "    if not on_gpu:\n        return Snapshot(lambda: None,",
+             "    if not on_gpu:\n        return Snapshot(copy_cpu,",
              (f"{STRATEGY}/test_background_save.py::test_background_saves_resume_like_synchronous_ones_bit_for_bit",),
              ci=False),
     Mutation("background-save-buffers-not-reserved", "lightning_megatron/adapter/checkpoint_hooks.py",

@@ -1,153 +1,107 @@
 """A snapshot of what a background save writes: training may change the originals while it is written.
 
-What must happen at the save's point in training (the calling thread) is kept to the least: objects are pickled,
-CPU tensors copied, and GPU tensors copied **on the GPU** (a device-to-device clone, milliseconds even for
-gigabytes) when the card has room for them beside the training's peak. The writing thread then copies the clones
-into pinned host buffers on a stream of its own while training goes on, and frees them once they landed. Without
-room for the clones the GPU tensors are copied to the host buffers on the current stream, as part of the next step
-(which then waits for the copy).
+What must happen at the save's point in training (the calling thread) is kept to a few calls: objects are
+pickled, CPU tensors copied into the host slab (``host_slab.py``), and the GPU tensors copied **on the GPU** into
+one block laid out as the slab's GPU range (one multi-tensor copy, milliseconds even for gigabytes) when the card
+has room for it beside the training's peak. The writing thread then copies that block into the pinned slab in one
+transfer on a stream of its own while training goes on, and frees it. Without room for the block the GPU tensors
+are copied into the slab on the current stream, as part of the next step (which then waits for the copy).
 
-Host buffers are kept from one save to the next, by key. The pinned ones are made by the calling thread
-(``cudaHostAlloc``: seconds for gigabytes, once), ahead of the first save where the strategy can (``reserve``, after
-the first optimizer step) or else at it: made in the writing thread they stalled the training thread's CUDA calls as
-long (GPT-1.3B on an H200: the step after the first save took 36x its time), and pageable buffers, filled at a few
-GB/s, kept the copies going for seconds. The writing thread copies in slices of ``LAND_CHUNK_BYTES``, one slice in
-flight at a time, so a copy engine is never queued up for long with its gigabytes: the steps after a save with the
-clones copied whole took 1.4-7x their time (not profiled yet; a training-side transfer waiting behind them is the
-suspect).
+The slab is made ahead of the first save where the strategy can (``reserve``, after the first optimizer step):
+pinning gigabytes takes seconds, which no save should pay (GPT-1.3B on an H200: the step after a save that pinned
+its buffers took 30-48x its time).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
 from .entries import Entry
+from .host_slab import HostSlab, Layout, layout_of, view
 from .planner import Pickled
 
-#: GPU memory kept free beside the step's own peak when deciding whether the clones fit
+#: GPU memory kept free beside the step's own peak when deciding whether the GPU block fits
 HEADROOM_BYTES = 1 << 30
-#: the most bytes the writing thread has in flight from GPU clones to host buffers
-LAND_CHUNK_BYTES = 64 << 20
 
 
 class Snapshot(NamedTuple):
-    """``land()``, called in the writing thread, returns the entries as host copies once they are there;
-    ``pickled``: the objects, pickled at the save's point; ``cloned_bytes``: GPU memory the clones hold until
-    they landed (0 without clones)."""
+    """``land()``, called in the writing thread, returns once the slab holds every entry; ``entries``: the entries
+    over the slab's views; ``pickled``: the objects, pickled at the save's point; ``cloned_bytes``: GPU memory the
+    block holds until it landed (0 without it)."""
 
-    land: Callable[[], List[Entry]]
+    land: Callable[[], None]
+    entries: List[Entry]
     pickled: Dict[str, Any]
     cloned_bytes: int
 
 
-def to_host(entries: List[Entry], blobs: Dict[str, Any], buffers: Dict[str, torch.Tensor],
+def slab_for(entries: List[Entry], slab: Optional[HostSlab]) -> HostSlab:
+    """``slab`` if it places exactly ``entries``, else a new one (pinned for a GPU state); the old one is closed."""
+    if slab is not None and slab.layout.matches(entries):
+        return slab
+    if slab is not None:
+        slab.close()
+    layout = layout_of(entries)
+    return HostSlab(layout, pin=layout.gpu_bytes > 0 and torch.cuda.is_available())
+
+
+def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
             training_peak: Optional[int] = None) -> Snapshot:
-    """Snapshot ``entries`` (into host ``buffers``, reused by key) and ``blobs``. ``training_peak``: the most GPU
+    """Snapshot ``entries`` (into ``slab``, which must place them) and ``blobs``. ``training_peak``: the most GPU
     memory training has allocated (default ``torch.cuda.max_memory_allocated``; pass an estimate without earlier
-    saves' clones, which that peak may include)."""
+    saves' blocks, which that peak may include)."""
+    assert slab.layout.matches(entries), "the slab does not place these entries"
     pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
-    keys = {entry.key for entry in entries}
-    for key in [k for k in buffers if k not in keys]:
-        del buffers[key]   # a tensor the model no longer has
+    staged = [Entry(entry.key, entry.placement, [slab.view(entry.key)]) for entry in entries]
     on_gpu = [entry for entry in entries if entry.local.is_cuda]
+    on_cpu = [entry for entry in entries if not entry.local.is_cuda]
+    copy_cpu = functools.partial(_copy, [slab.view(e.key) for e in on_cpu], [e.local.detach() for e in on_cpu])
+    copy_cpu()   # at the save's point: training changes these tensors once the call returns
     if not on_gpu:
-        staged = [_host_entry(entry, entry.local.detach(), buffers, non_blocking=False) for entry in entries]
-        return Snapshot(lambda: staged, pickled, 0)
+        return Snapshot(lambda: None, staged, pickled, 0)
     device = on_gpu[0].local.device
-    nbytes = sum(e.local.numel() * e.local.element_size() for e in on_gpu)
-    if _clones_fit(nbytes, device, training_peak):
-        return Snapshot(_land_clones(entries, buffers, device), pickled, nbytes)
-    staged = [_host_entry(entry, entry.local.detach(), buffers, non_blocking=entry.local.is_cuda)
-              for entry in entries]
+    sources = [entry.local.detach() for entry in on_gpu]
+    layout = slab.layout
+    if _clones_fit(layout.gpu_bytes, device, training_peak):
+        return Snapshot(_land_block(layout, sources, on_gpu, slab, device), staged, pickled, layout.gpu_bytes)
+    _copy([slab.view(entry.key) for entry in on_gpu], sources, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()   # the copies are queued on the current stream: the next step cannot change them first
-
-    def land() -> List[Entry]:
-        copied.synchronize()
-        return staged
-    return Snapshot(land, pickled, 0)
+    return Snapshot(copied.synchronize, staged, pickled, 0)
 
 
-def _land_clones(entries: List[Entry], buffers: Dict[str, torch.Tensor],
-                 device: torch.device) -> Callable[[], List[Entry]]:
-    """Clone the GPU tensors on the current stream now and make sure their pinned host buffers exist (CPU tensors
-    are copied now); the returned function copies the clones into the buffers on a stream of its own and lets the
-    clones go."""
-    clones: Dict[str, torch.Tensor] = {}
-    staged: List[Entry] = []
-    for entry in entries:
-        source = entry.local.detach()
-        if source.is_cuda:
-            clones[entry.key] = source.clone()
-            _host_buffer(entry.key, source, buffers)
-            staged.append(entry)
-        else:
-            staged.append(_host_entry(entry, source, buffers, non_blocking=False))
+def _land_block(layout: Layout, sources: List[torch.Tensor], on_gpu: List[Entry], slab: HostSlab,
+                device: torch.device) -> Callable[[], None]:
+    """Copy the GPU tensors into one GPU block (the slab's GPU range, on the current stream) now; the returned
+    function copies the block into the slab on a stream of its own and lets it go."""
+    block = torch.empty(layout.gpu_bytes, dtype=torch.uint8, device=device)
+    _copy([view(block, layout.slots[entry.key]) for entry in on_gpu], sources)
     cloned = torch.cuda.Event()
     cloned.record()
+    held = [block]
 
-    def land() -> List[Entry]:
+    def land() -> None:
         stream = torch.cuda.Stream(device)
         stream.wait_event(cloned)
-        landed = []
-        for entry in staged:
-            clone = clones.pop(entry.key, None)
-            if clone is None:
-                landed.append(entry)
-                continue
-            target = _host_buffer(entry.key, clone, buffers)
-            _copy_in_slices(target, clone, stream)
-            del clone   # back to the allocator: its copy is done, so training may reuse the memory
-            landed.append(Entry(entry.key, entry.placement, [target]))
-        return landed
+        assert slab.bytes is not None
+        with torch.cuda.stream(stream):
+            slab.bytes[:layout.gpu_bytes].copy_(held[0], non_blocking=True)
+        stream.synchronize()
+        held.clear()   # back to the allocator: its copy is done, so training may reuse the memory
     return land
 
 
-def _copy_in_slices(target: torch.Tensor, source: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    """Copy GPU ``source`` into pinned host ``target`` on ``stream``, ``LAND_CHUNK_BYTES`` at a time, waiting for
-    each slice before the next is queued."""
-    with torch.cuda.stream(stream):
-        if not (source.is_contiguous() and target.is_contiguous()):
-            target.copy_(source, non_blocking=True)   # strided (rare): whole
-            stream.synchronize()
-            return
-        flat_source, flat_target = source.view(-1), target.view(-1)
-        step = max(LAND_CHUNK_BYTES // max(source.element_size(), 1), 1)
-        for start in range(0, flat_source.numel(), step):
-            flat_target[start:start + step].copy_(flat_source[start:start + step], non_blocking=True)
-            stream.synchronize()
-
-
-def reserve(entries: List[Entry], buffers: Dict[str, torch.Tensor]) -> None:
-    """Make the host buffers of ``entries`` now (pinned for GPU tensors) so that no save pays for them."""
-    for entry in entries:
-        _host_buffer(entry.key, entry.local, buffers)
-
-
-def _fits(buffer: torch.Tensor, source: torch.Tensor) -> bool:
-    return buffer.shape == source.shape and buffer.dtype == source.dtype
-
-
-def _host_buffer(key: str, source: torch.Tensor, buffers: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """The host buffer kept for ``key``, made (pinned for a GPU source) if missing or of another shape/dtype."""
-    target = buffers.get(key)
-    if target is None or not _fits(target, source):
-        target = buffers[key] = torch.empty_like(source, device="cpu", pin_memory=source.is_cuda)
-    return target
-
-
-def _host_entry(entry: Entry, source: torch.Tensor, buffers: Dict[str, torch.Tensor], *,
-                non_blocking: bool) -> Entry:
-    """``entry`` holding a host copy of ``source`` (in its buffer of ``buffers``)."""
-    target = _host_buffer(entry.key, source, buffers)
-    target.copy_(source, non_blocking=non_blocking)
-    return Entry(entry.key, entry.placement, [target])
+def _copy(targets: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool = False) -> None:
+    """``targets[i].copy_(sources[i])`` for all, in one call (the loop runs in C++)."""
+    if targets:
+        torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
 
 
 def _clones_fit(nbytes: int, device: torch.device, training_peak: Optional[int] = None) -> bool:
-    """Whether clones of ``nbytes`` fit on ``device`` beside the training's peak and a margin: the free memory
+    """Whether a block of ``nbytes`` fits on ``device`` beside the training's peak and a margin: the free memory
     plus what the allocator holds unused, less what training still allocates at its peak."""
     free, _ = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)

@@ -1,6 +1,7 @@
 """Background saves on a GPU (issue 31): the snapshot is the state at the save's point although training changes the
-tensors right after, both when the state is cloned on the GPU (the default where it fits) and when it is copied
-straight to host memory on the current stream (no room for clones); the clones are freed once they landed."""
+tensors right after, both when the state is copied into one GPU block first (the default where it fits) and when it
+is copied straight into the pinned host slab on the current stream (no room for the block); the block is freed once
+it landed; every dtype and layout lands exactly."""
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ def train(model, optimizer, steps):
 @pytest.mark.parametrize("clones_fit", [True, False])
 def test_a_background_save_holds_the_state_of_its_step(tmp_path, monkeypatch, clones_fit):
     landed_through_clones = []
-    land_clones = stage_module._land_clones
-    monkeypatch.setattr(stage_module, "_land_clones",
-                        lambda *a: landed_through_clones.append(1) or land_clones(*a))
+    land_block = stage_module._land_block
+    monkeypatch.setattr(stage_module, "_land_block",
+                        lambda *a: landed_through_clones.append(1) or land_block(*a))
     monkeypatch.setattr(stage_module, "_clones_fit", lambda nbytes, device, peak=None: clones_fit)
     model, optimizer = model_and_optimizer()
     train(model, optimizer, 2)
@@ -73,14 +74,22 @@ def test_clones_are_freed_once_written_and_refused_without_room(tmp_path):
     saver.close()
 
 
-@pytest.mark.parametrize("shape, contiguous", [((1000, 37), True), ((37, 1000), False), ((5,), True)])
-def test_the_clones_land_in_slices_exactly(monkeypatch, shape, contiguous):
-    """The writing thread's slice-by-slice copy (a slice far smaller than the tensor here) gives the whole tensor,
-    strided ones too."""
-    monkeypatch.setattr(stage_module, "LAND_CHUNK_BYTES", 4096)
-    source = torch.randn(*shape, device="cuda").to(torch.bfloat16)
-    if not contiguous:
-        source = source.t()
-    target = torch.empty_like(source, device="cpu", pin_memory=True)
-    stage_module._copy_in_slices(target, source, torch.cuda.Stream())
-    assert torch.equal(target, source.cpu())
+def test_every_dtype_and_layout_lands_exactly_in_the_pinned_slab():
+    """bf16, float32, int64 and bool tensors, a transposed (strided) one and an empty one, through the GPU block and
+    the one transfer to the pinned slab: each slab view equals its source."""
+    from lightning_megatron.checkpoint.entries import Entry
+    from lightning_megatron.checkpoint.placement import Ranks, placement_of
+
+    sources = {"bf16": torch.randn(1000, 37, device="cuda").to(torch.bfloat16),
+               "strided": torch.randn(37, 1000, device="cuda").t(),
+               "int64": torch.arange(7, device="cuda"), "bool": torch.rand(33, device="cuda") > 0.5,
+               "empty": torch.empty(0, 5, device="cuda"), "step": torch.tensor(3.0)}
+    entries = [Entry(key, placement_of(tensor, Ranks()), [tensor]) for key, tensor in sources.items()]
+    slab = stage_module.slab_for(entries, None)
+    assert slab.pinned and slab.bytes.is_pinned()
+    snapshot = stage_module.to_host(entries, {}, slab)
+    assert snapshot.cloned_bytes == slab.layout.gpu_bytes > 0
+    snapshot.land()
+    for key, source in sources.items():
+        assert torch.equal(slab.view(key), source.cpu()), key
+    slab.close()

@@ -1,15 +1,17 @@
 """Background checkpoint saves (Lightning's ``AsyncCheckpointIO`` plugin): training goes on while shards are written,
-resuming is bit for bit what a synchronous save gives, and a failed or killed write leaves the previous checkpoint."""
+resuming is bit for bit what a synchronous save gives, the shards are written by a process of their own, and a
+failed or killed write leaves the previous checkpoint."""
 
+import functools
 import os
-import threading
+import signal
+import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_megatron.checkpoint import is_checkpoint, read_full_state_dict
-from lightning_megatron.checkpoint.sharded import SaveJob
+from lightning_megatron.checkpoint import is_checkpoint, read_full_state_dict, writer_process
 from lightning_megatron.testing import MultiRankError, run_on_ranks
 from helpers.checkpoint_utils import assert_same
 from helpers.strategy_utils import TinyGPT, fit_tiny_gpt
@@ -38,50 +40,75 @@ def _fit(folder, max_steps, background, resume_from=None, callbacks=(), keep=-1)
         os.environ["WORLD_SIZE"] = world
 
 
-class _HoldTheWrite:
-    """Holds the background write of step 2's checkpoint until the training step after it has updated the parameters
-    (Lightning runs ``ModelCheckpoint`` after the other callbacks' ``on_train_batch_end``): a save that blocked
-    training would wait here for 60 s, then fail; one that wrote the live tensors would write step 3's."""
+def _say_who_writes(root):
+    """Run in each writing process: leave its pid in ``writer.<rank>``."""
+    with open(os.path.join(root, f"writer.{os.environ['RANK']}"), "w") as out:
+        out.write(str(os.getpid()))
 
-    def __init__(self):
-        import lightning as L
 
-        started, original = threading.Event(), SaveJob.write
+def _hold_the_second_snapshot(root):
+    """The second save's (step 2's) copy to the host slab, done by the training process's writing thread, waits
+    until training has ended step 3 (Lightning runs ``ModelCheckpoint`` after the other callbacks'
+    ``on_train_batch_end``). A save that blocked training would wait here for 60 s, then fail; one that copied the
+    live tensors there instead of snapshotting them at the save would write step 3's state."""
+    from lightning_megatron.checkpoint import background
 
-        def held_write(job, group=None):
-            if job.path.endswith("step=2.ckpt") and not started.wait(60):
-                raise AssertionError("the save blocked training: step 3 never ended while step 2 was written")
-            self.threads.add(threading.current_thread().name)
-            original(job, group)
+    original, calls = background.to_host, []
+    signal_file = os.path.join(root, f"step-3-ended.{os.environ['RANK']}")
 
-        class Started(L.Callback):
-            def on_train_batch_end(self, trainer, *args):
-                if trainer.global_step >= 3:
-                    started.set()
+    def held(*args, **kwargs):
+        snapshot = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) != 2:
+            return snapshot
 
-        self.threads, self.callback, self.write, self.original = set(), Started(), held_write, original
+        def land():
+            deadline = time.monotonic() + 60
+            while not os.path.exists(signal_file):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the save blocked training: step 3 never ended while step 2 was written")
+                time.sleep(0.01)
+            snapshot.land()
+        return snapshot._replace(land=land)
+
+    background.to_host = held
+    return original
+
+
+def _step_3_ended(root):
+    import lightning as L
+
+    class Ended(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step >= 3:
+                open(os.path.join(root, f"step-3-ended.{os.environ['RANK']}"), "w").close()
+    return Ended()
 
 
 def _background_against_synchronous(root):
-    hold = _HoldTheWrite()
-    SaveJob.write = hold.write
+    from lightning_megatron.checkpoint import background
+
+    writer_process.CHILD_SETUP = functools.partial(_say_who_writes, root)
+    original = _hold_the_second_snapshot(root)
     try:
-        in_background = _fit(os.path.join(root, "background"), 6, True, callbacks=[hold.callback])
+        in_background = _fit(os.path.join(root, "background"), 6, True, callbacks=[_step_3_ended(root)])
     finally:
-        SaveJob.write = hold.original
+        writer_process.CHILD_SETUP, background.to_host = None, original
+    with open(os.path.join(root, f"writer.{os.environ['RANK']}")) as written_by:
+        writer = int(written_by.read())
     synchronous = _fit(os.path.join(root, "synchronous"), 6, False)
     resumed = _fit(os.path.join(root, "resumed"), 6, False, resume_from=os.path.join(root, "background", "step=3.ckpt"))
-    return in_background, synchronous, resumed, sorted(hold.threads)
+    return in_background, synchronous, resumed, writer, os.getpid()
 
 
 def test_background_saves_resume_like_synchronous_ones_bit_for_bit(tmp_path):
     """TP2, dropout on, AdamW: the folders, the straight runs and the run resumed from a background save are those
-    of synchronous saves, bit for bit; the write ran in its own thread while the next step trained."""
-    for in_background, synchronous, resumed, threads in run_on_ranks(_background_against_synchronous, 2,
-                                                                     str(tmp_path), timeout=300):
+    of synchronous saves, bit for bit; the write ran in a process of its own while the next step trained."""
+    for in_background, synchronous, resumed, writer, trainer in run_on_ranks(_background_against_synchronous, 2,
+                                                                             str(tmp_path), timeout=300):
         assert len(synchronous) == 6 and in_background == synchronous
         assert resumed == synchronous[3:]
-        assert threads and all(name.startswith("lightning-megatron checkpoint") for name in threads)
+        assert writer != trainer   # written by the writing process, not a thread of the training process
     for step in range(1, 7):
         name = f"step={step}.ckpt"
         assert is_checkpoint(tmp_path / "background" / name)
@@ -90,25 +117,34 @@ def test_background_saves_resume_like_synchronous_ones_bit_for_bit(tmp_path):
     assert not [n for n in os.listdir(tmp_path / "background") if n.endswith(".incomplete")]
 
 
-def _failing_write(root, failing_step, how):
-    """Rank 1's write of ``step=<failing_step>.ckpt`` fails (``how``: raise, or kill the process) while only the
-    newest checkpoint is kept: the one before must survive."""
+def _fail_in_the_writer(root, failing_step, how):
+    """Run in each writing process: rank 1's write of ``step=<failing_step>.ckpt`` fails (``how``: raise, or kill
+    the training process, whose writer must then end too; its pid is left in ``writer.1``)."""
     original = dcp.FileSystemWriter.write_data
 
     def write_data(writer, plan, planner):
         if os.environ["RANK"] == "1" and f"step={failing_step}.ckpt" in str(writer.path):
             if how == "kill":
-                os._exit(3)
+                with open(os.path.join(root, "writer.1"), "w") as out:
+                    out.write(str(os.getpid()))
+                os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(60)
             raise OSError("disk full (simulated)")
         return original(writer, plan, planner)
 
     dcp.FileSystemWriter.write_data = write_data
+
+
+def _failing_write(root, failing_step, how):
+    """Rank 1's write of ``step=<failing_step>.ckpt`` fails while only the newest checkpoint is kept: the one
+    before must survive."""
+    writer_process.CHILD_SETUP = functools.partial(_fail_in_the_writer, root, failing_step, how)
     try:
         _fit(os.path.join(root, "ckpts"), 5, True, keep=1)
     except Exception as err:  # noqa: BLE001 - the background error, raised later on every rank
         return type(err).__name__, str(err)
     finally:
-        dcp.FileSystemWriter.write_data = original
+        writer_process.CHILD_SETUP = None
     return None
 
 
@@ -132,41 +168,54 @@ def test_a_background_write_that_fails_is_raised_later_and_keeps_the_previous_ch
 
 
 def test_a_process_killed_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path):
-    with pytest.raises(MultiRankError, match="rank 1 exited with code 3"):
+    with pytest.raises(MultiRankError, match="rank 1 exited with code -9"):
         run_on_ranks(_failing_write, 2, str(tmp_path), 3, "kill", timeout=300)
+    writer = int((tmp_path / "writer.1").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(writer):   # its training process is gone: the writer ends without committing
+        assert time.monotonic() < deadline, "the writing process outlived its training process"
+        time.sleep(0.1)
     names = sorted(os.listdir(tmp_path / "ckpts"))
     assert "step=3.ckpt" not in names and is_checkpoint(tmp_path / "ckpts" / "step=2.ckpt"), names
     for straight, resumed in run_on_ranks(_resume, 2, str(tmp_path), 2, timeout=300):
         assert resumed == straight[2:]
 
 
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:   # a zombie (ended, not yet reaped) is gone for this purpose
+        return stat.read().split(") ")[-1][0] != "Z"
+
+
 def _host_buffers_at_each_save(root):
-    """What ``to_host`` finds at each background save: the host buffers already there (keys and identities) and
-    the entries it snapshots; and the buffers after it."""
+    """Each time a background saver looks for its host slab (after the first optimizer step, at each save): the one it
+    found (or ``None``), the one it used, the keys it places, whether it is pinned."""
     from lightning_megatron.checkpoint import background
 
-    seen, original = [], background.to_host
+    seen, original = [], background.slab_for
 
-    def recording(entries, blobs, buffers, training_peak=None):
-        before = {key: id(buffer) for key, buffer in buffers.items()}
-        snapshot = original(entries, blobs, buffers, training_peak)
-        seen.append((before, sorted(e.key for e in entries), {key: id(b) for key, b in buffers.items()}))
-        return snapshot
+    def recording(entries, slab):
+        used = original(entries, slab)
+        seen.append((None if slab is None else id(slab), id(used), sorted(used.layout.slots), used.pinned))
+        return used
 
-    background.to_host = recording
+    background.slab_for = recording
     try:
         _fit(os.path.join(root, "ckpts"), 2, True)
     finally:
-        background.to_host = original
+        background.slab_for = original
     return seen
 
 
 def test_the_host_buffers_are_made_after_the_first_optimizer_step_not_at_the_first_save(tmp_path):
-    """With background saves the buffers every save copies into exist before the first save (made after the first
-    optimizer step, every AdamW state included): no save makes one, and every save reuses the same buffers."""
+    """With background saves the host slab every save copies into exists before the first save (made after the first
+    optimizer step, every AdamW state included): no save makes one, and every save reuses the same one."""
     for seen in run_on_ranks(_host_buffers_at_each_save, 2, str(tmp_path), timeout=300):
-        assert len(seen) == 2
-        for before, keys, after in seen:
-            assert any(".exp_avg_sq" in key for key in keys)
-            assert sorted(before) == keys and before == after
-        assert seen[0][2] == seen[1][2]
+        assert len(seen) == 3   # made after the first optimizer step, then found by each of the two saves
+        (_, made, *_), saves = seen[0], seen[1:]
+        for found, used, keys, pinned in seen:
+            assert any(".exp_avg_sq" in key for key in keys) and not pinned   # CPU training: nothing to pin
+        assert all(found == used == made for found, used, _, _ in saves)

@@ -1,0 +1,116 @@
+"""One block of host memory holding a whole training state for background saves, at fixed offsets per tensor.
+
+The block is an anonymous shared mapping (``memfd``): the writing process maps the same pages, so a save hands it
+nothing but names and places. It is pinned (``cudaHostRegister``) when the state lives on a GPU, so the copy to it
+is one asynchronous transfer. GPU tensors come first in the layout: their bytes form one range, which a save clones
+on the GPU and copies to the host in one piece.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+
+import torch
+
+from .entries import Entry
+
+#: every tensor starts at a multiple of this many bytes (any dtype's alignment, and DMA-friendly)
+ALIGN = 256
+
+
+class Slot(NamedTuple):
+    offset: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    on_gpu: bool
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+
+class Layout(NamedTuple):
+    """Where each key's bytes lie; ``gpu_bytes``: the length of the leading range that holds the GPU tensors."""
+
+    slots: Dict[str, Slot]
+    nbytes: int
+    gpu_bytes: int
+
+    def matches(self, entries: Iterable[Entry]) -> bool:
+        """Whether ``entries`` are exactly the tensors this layout places (same keys, shapes, dtypes, devices)."""
+        entries = list(entries)
+        return len(entries) == len(self.slots) and all(
+            (slot := self.slots.get(e.key)) is not None and slot.shape == tuple(e.local.shape)
+            and slot.dtype == e.local.dtype and slot.on_gpu == e.local.is_cuda for e in entries)
+
+
+def layout_of(entries: Iterable[Entry]) -> Layout:
+    """GPU tensors first, then the others, each at an ``ALIGN``-ed offset."""
+    entries = list(entries)
+    slots: Dict[str, Slot] = {}
+    offset, gpu_bytes = 0, 0
+    for on_gpu in (True, False):
+        for entry in (e for e in entries if e.local.is_cuda == on_gpu):
+            slot = Slot(offset, tuple(entry.local.shape), entry.local.dtype, on_gpu)
+            slots[entry.key] = slot
+            offset += -(-slot.nbytes // ALIGN) * ALIGN
+        if on_gpu:
+            gpu_bytes = offset
+    return Layout(slots, offset, gpu_bytes)
+
+
+def view(block: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """``slot``'s tensor inside ``block`` (bytes, host or GPU)."""
+    return block[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+class HostSlab:
+    """The host block of a ``Layout``: ``bytes`` (uint8) over a shared mapping, ``fd`` its file descriptor."""
+
+    def __init__(self, layout: Layout, *, fd: Optional[int] = None, pin: bool = False) -> None:
+        self.layout = layout
+        size = max(layout.nbytes, ALIGN)
+        if fd is None:
+            fd = _anonymous_file(size)
+        self.fd = fd
+        self._map: Optional[mmap.mmap] = mmap.mmap(fd, size)
+        self.bytes: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            from torch.cuda._pin_memory_utils import pin_memory
+            pin_memory(self.bytes.data_ptr(), size)   # page-locked: copies from the GPU run asynchronously
+            self.pinned = True
+
+    def view(self, key: str) -> torch.Tensor:
+        assert self.bytes is not None, "the slab was closed"
+        return view(self.bytes, self.layout.slots[key])
+
+    def close(self) -> None:
+        """Unpin, let go of the mapping and close the descriptor. The memory is unmapped once no tensor views it any
+        more (``torch.frombuffer`` holds the mapping; closing it under a live view would leave the view dangling)."""
+        if self.bytes is None:
+            return
+        if self.pinned:
+            from torch.cuda._pin_memory_utils import unpin_memory
+            unpin_memory(self.bytes.data_ptr())
+        self.bytes = None
+        self._map = None
+        os.close(self.fd)
+
+
+def _anonymous_file(size: int) -> int:
+    """A descriptor of ``size`` bytes of memory no path names: ``memfd`` (Linux), else an unlinked temporary file."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("lightning-megatron-checkpoint", os.MFD_CLOEXEC)
+    else:   # pragma: no cover - not Linux
+        handle, name = tempfile.mkstemp(prefix="lightning-megatron-checkpoint-")
+        os.unlink(name)
+        fd = handle
+    os.ftruncate(fd, size)
+    return fd
