@@ -58,20 +58,29 @@ class BackgroundSaver:
 
         job = prepare_save(path, model_modules, optimizers, extra_state, rank_state=rank_state, checksums=checksums,
                            stage=stage)
-        if self._writer is None:
+        writer = self._start_writer()
+        if not writer.connected:
             address, self._store = rendezvous()
-            self._writer = WriterProcess(address, rank(), world_size())
+            writer.connect(address)
         assert self._slab is not None
         self._path, self._after = job.path, []
-        self._thread = threading.Thread(target=self._write, args=(job, snapshots[0].land, self._writer, self._slab),
+        self._thread = threading.Thread(target=self._write, args=(job, snapshots[0].land, writer, self._slab),
                                         daemon=True, name=f"lightning-megatron checkpoint {job.path}")
         self._thread.start()
 
     def reserve(self, model_modules: Modules, optimizers: Optimizers = None) -> None:
-        """Make the host slab the saves of this state will use (pinned for GPU tensors) now, at a point where a
-        stall is expected (after the first optimizer step), not at the first save. Not collective."""
+        """Make the host slab the saves of this state will use (pinned for GPU tensors) and start the writing
+        process now, at a point where a stall is expected (after the first optimizer step), not at the first save.
+        Not collective."""
         self.wait()
         self._slab = slab_for(collect_save(model_modules, optimizers)[0], self._slab)
+        self._start_writer()
+
+    def _start_writer(self) -> WriterProcess:
+        """The writing process, started now if it is not yet (its imports overlap training until the first save)."""
+        if self._writer is None:
+            self._writer = WriterProcess(rank(), world_size())
+        return self._writer
 
     def _training_peak(self, entries: List[Any]) -> Optional[int]:
         """The most GPU memory training allocated, less the last save's GPU block, which the allocator's peak may

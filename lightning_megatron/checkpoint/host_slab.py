@@ -81,6 +81,7 @@ class HostSlab:
         self.fd = fd
         self._map: Optional[mmap.mmap] = mmap.mmap(fd, size)
         self.bytes: Optional[torch.Tensor] = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._views: Dict[str, torch.Tensor] = {}   # made once: a save's call asks for every one of them
         self.pinned = False
         if pin:
             from torch.cuda._pin_memory_utils import pin_memory
@@ -88,8 +89,11 @@ class HostSlab:
             self.pinned = True
 
     def view(self, key: str) -> torch.Tensor:
-        assert self.bytes is not None, "the slab was closed"
-        return view(self.bytes, self.layout.slots[key])
+        found = self._views.get(key)
+        if found is None:
+            assert self.bytes is not None, "the slab was closed"
+            found = self._views[key] = view(self.bytes, self.layout.slots[key])
+        return found
 
     def close(self) -> None:
         """Unpin, let go of the mapping and close the descriptor. The memory is unmapped once no tensor views it any
@@ -99,8 +103,7 @@ class HostSlab:
         if self.pinned:
             from torch.cuda._pin_memory_utils import unpin_memory
             unpin_memory(self.bytes.data_ptr())
-        self.bytes = None
-        self._map = None
+        self.bytes, self._map, self._views = None, None, {}
         os.close(self.fd)
 
 

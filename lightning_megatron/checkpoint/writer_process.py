@@ -43,10 +43,11 @@ Job = Tuple[str, str, List[Tuple[str, Placement]], Dict[str, Any], bool]   # pat
 
 
 class WriterProcess:
-    """One writing process per training process. ``rendezvous`` (collective over the training's ranks) gives every
-    rank's writer the same store; ``write`` blocks (without the GIL) until the save is written or failed."""
+    """One writing process per training process, started ahead of the first save (its imports take seconds).
+    ``connect`` gives it the store of the writers' group (``rendezvous``, collective over the training's ranks);
+    ``write`` blocks (without the GIL) until the save is written or failed."""
 
-    def __init__(self, store_address: Optional[Tuple[str, int]], rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int) -> None:
         parent, child = socket.socketpair()
         alive_read, self._alive = os.pipe()   # the child reads end-of-file once this process is gone
         command = [sys.executable, "-m", "lightning_megatron.checkpoint.writer_process", str(child.fileno()),
@@ -57,8 +58,14 @@ class WriterProcess:
         self._socket = parent
         self._conn = Connection(os.dup(parent.fileno()))
         self._conn.send(list(sys.path))   # first: the rest may name functions only found on it
-        self._conn.send((CHILD_SETUP, store_address, rank, world_size))
+        self._conn.send((CHILD_SETUP, rank, world_size))
         self._layout: Optional[Layout] = None   # the slab's layout the child maps now
+        self.connected = False
+
+    def connect(self, store_address: Optional[Tuple[str, int]]) -> None:
+        """Send the address of the writers' store (``None``: a single process, no group)."""
+        self._conn.send(store_address)
+        self.connected = True
 
     def write(self, job: Job, slab: HostSlab) -> None:
         """Have the child write ``job`` from ``slab``; raise its error."""
@@ -76,18 +83,17 @@ class WriterProcess:
             raise pickle.loads(reply)
 
     def close(self, timeout: float = 60.0) -> None:
-        """Tell the child to end and wait for it (killed after ``timeout`` s)."""
-        try:
-            self._conn.send(None)
-        except OSError:
-            pass   # already gone
+        """End the child (it reads end-of-file; it may be waiting for any message) and wait for it (killed after
+        ``timeout`` s). One that never wrote is killed at once: it has nothing to finish, maybe its imports."""
+        self._conn.close()
+        self._socket.close()
+        if not self.connected:
+            self.process.kill()
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self._conn.close()
-        self._socket.close()
         os.close(self._alive)
 
 
@@ -114,35 +120,39 @@ def job_of(save: SaveJob) -> Job:
 
 
 def _serve(conn: Connection, alive: int) -> None:
-    sys.path[:] = conn.recv()
-    setup, address, rank, world_size = conn.recv()
-    threading.Thread(target=_end_with_parent, args=(alive,), daemon=True).start()
-    if setup is not None:
-        setup()
-    if address is not None:
-        store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=GROUP_TIMEOUT)
-        dist.init_process_group("gloo", store=dist.PrefixStore("lightning-megatron-writers", store), rank=rank,
-                                world_size=world_size, timeout=GROUP_TIMEOUT)
-    slab: Optional[HostSlab] = None
-    while True:
-        message = conn.recv()
-        if message is None:
-            break
-        if message[0] == "slab":
-            if slab is not None:
-                slab.close()
-            slab = HostSlab(message[1], fd=recv_handle(conn))
-            continue
-        path, staging, entries, blobs, checksums = message[1]
-        try:
-            assert slab is not None, "no slab was sent"
-            SaveJob(path, staging, [Entry(key, placement, [slab.view(key)]) for key, placement in entries],
-                    blobs, checksums).write()
-            conn.send(None)
-        except BaseException as err:  # noqa: BLE001 - the training process raises it
-            conn.send(_picklable(err))
-    if distributed():
-        dist.destroy_process_group()
+    """Write every save sent until the training process closes the connection."""
+    try:
+        sys.path[:] = conn.recv()
+        setup, rank, world_size = conn.recv()
+        threading.Thread(target=_end_with_parent, args=(alive,), daemon=True).start()
+        if setup is not None:
+            setup()
+        address = conn.recv()
+        if address is not None:
+            store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=GROUP_TIMEOUT)
+            dist.init_process_group("gloo", store=dist.PrefixStore("lightning-megatron-writers", store), rank=rank,
+                                    world_size=world_size, timeout=GROUP_TIMEOUT)
+        slab: Optional[HostSlab] = None
+        while True:
+            message = conn.recv()
+            if message[0] == "slab":
+                if slab is not None:
+                    slab.close()
+                slab = HostSlab(message[1], fd=recv_handle(conn))
+                continue
+            path, staging, entries, blobs, checksums = message[1]
+            try:
+                assert slab is not None, "no slab was sent"
+                SaveJob(path, staging, [Entry(key, placement, [slab.view(key)]) for key, placement in entries],
+                        blobs, checksums).write()
+                conn.send(None)
+            except BaseException as err:  # noqa: BLE001 - the training process raises it
+                conn.send(_picklable(err))
+    except EOFError:
+        pass   # closed: the end
+    finally:
+        if distributed():
+            dist.destroy_process_group()
 
 
 def _picklable(err: BaseException) -> bytes:
