@@ -17,7 +17,7 @@ import torch
 
 from .entries import Entry
 
-#: every tensor starts at a multiple of this many bytes (any dtype's alignment, and DMA-friendly)
+#: every CPU tensor and every run of GPU tensors starts at a multiple of this many bytes (any dtype's alignment)
 ALIGN = 256
 
 
@@ -35,12 +35,24 @@ class Slot(NamedTuple):
         return count * self.dtype.itemsize
 
 
+class Run(NamedTuple):
+    """GPU tensors of one dtype packed back to back in ``[start, end)``, in the order of ``keys``: one copy fills
+    them all (``torch.cat`` into the run)."""
+
+    dtype: torch.dtype
+    start: int
+    end: int
+    keys: Tuple[str, ...]
+
+
 class Layout(NamedTuple):
-    """Where each key's bytes lie; ``gpu_bytes``: the length of the leading range that holds the GPU tensors."""
+    """Where each key's bytes lie; ``gpu_bytes``: the length of the leading range that holds the GPU tensors, in
+    ``gpu_runs``."""
 
     slots: Dict[str, Slot]
     nbytes: int
     gpu_bytes: int
+    gpu_runs: Tuple[Run, ...] = ()
 
     def matches(self, entries: Iterable[Entry]) -> bool:
         """Whether ``entries`` are exactly the tensors this layout places (same keys, shapes, dtypes, devices)."""
@@ -51,18 +63,29 @@ class Layout(NamedTuple):
 
 
 def layout_of(entries: Iterable[Entry]) -> Layout:
-    """GPU tensors first, then the others, each at an ``ALIGN``-ed offset."""
+    """GPU tensors first, packed in one run per dtype (each run ``ALIGN``-ed), then the others, each ``ALIGN``-ed."""
     entries = list(entries)
     slots: Dict[str, Slot] = {}
-    offset, gpu_bytes = 0, 0
-    for on_gpu in (True, False):
-        for entry in (e for e in entries if e.local.is_cuda == on_gpu):
-            slot = Slot(offset, tuple(entry.local.shape), entry.local.dtype, on_gpu)
-            slots[entry.key] = slot
-            offset += -(-slot.nbytes // ALIGN) * ALIGN
-        if on_gpu:
-            gpu_bytes = offset
-    return Layout(slots, offset, gpu_bytes)
+    runs = []
+    offset = 0
+    on_gpu = [e for e in entries if e.local.is_cuda]
+    for dtype in dict.fromkeys(e.local.dtype for e in on_gpu):
+        start = offset
+        keys = tuple(e.key for e in on_gpu if e.local.dtype == dtype)
+        for entry in (e for e in on_gpu if e.local.dtype == dtype):
+            slots[entry.key] = slot = Slot(offset, tuple(entry.local.shape), dtype, True)
+            offset += slot.nbytes
+        runs.append(Run(dtype, start, offset, keys))
+        offset = _aligned(offset)
+    gpu_bytes = offset
+    for entry in (e for e in entries if not e.local.is_cuda):
+        slots[entry.key] = slot = Slot(offset, tuple(entry.local.shape), entry.local.dtype, False)
+        offset = _aligned(offset + slot.nbytes)
+    return Layout(slots, offset, gpu_bytes, tuple(runs))
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
 
 
 def view(block: torch.Tensor, slot: Slot) -> torch.Tensor:

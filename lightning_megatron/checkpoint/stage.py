@@ -2,7 +2,7 @@
 
 What must happen at the save's point in training (the calling thread) is kept to a few calls: objects are
 pickled, CPU tensors copied into the host slab (``host_slab.py``), and the GPU tensors copied **on the GPU** into
-one block laid out as the slab's GPU range (one multi-tensor copy, milliseconds even for gigabytes) when the card
+one block laid out as the slab's GPU range (one ``cat`` per dtype, milliseconds even for gigabytes) when the card
 has room for it beside the training's peak. The writing thread then copies that block into the pinned slab in one
 transfer on a stream of its own while training goes on, and frees it. Without room for the block the GPU tensors
 are copied into the slab on the current stream, as part of the next step (which then waits for the copy).
@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from .entries import Entry
-from .host_slab import HostSlab, Layout, layout_of, view
+from .host_slab import HostSlab, Layout, layout_of
 from .planner import Pickled
 
 #: GPU memory kept free beside the step's own peak when deciding whether the GPU block fits
@@ -75,10 +75,13 @@ def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
 
 def _land_block(layout: Layout, sources: List[torch.Tensor], on_gpu: List[Entry], slab: HostSlab,
                 device: torch.device) -> Callable[[], None]:
-    """Copy the GPU tensors into one GPU block (the slab's GPU range, on the current stream) now; the returned
-    function copies the block into the slab on a stream of its own and lets it go."""
+    """Copy the GPU tensors into one GPU block laid out as the slab's GPU range (one ``cat`` per dtype run, on the
+    current stream) now; the returned function copies the block into the slab on a stream of its own and lets it
+    go."""
     block = torch.empty(layout.gpu_bytes, dtype=torch.uint8, device=device)
-    _copy([view(block, layout.slots[entry.key]) for entry in on_gpu], sources)
+    by_key = {entry.key: source for entry, source in zip(on_gpu, sources)}
+    for run in layout.gpu_runs:
+        torch.cat([by_key[key].reshape(-1) for key in run.keys], out=block[run.start:run.end].view(run.dtype))
     cloned = torch.cuda.Event()
     cloned.record()
     held = [block]
