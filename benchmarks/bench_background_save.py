@@ -38,6 +38,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from lightning_megatron import MegatronStrategy
+    from lightning_megatron.checkpoint.background import BackgroundSaver
     from lightning_megatron.models import GPTModel
     from lightning_megatron.transformer import TransformerConfig
 
@@ -80,6 +81,18 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
                 stalls[-1].append(round(late, 1))
 
     threading.Thread(target=sample_gil, daemon=True).start()
+    in_call: list = []   # per save call: the seconds it waited for the write before it (a save waits for the last)
+    plain_wait = BackgroundSaver.wait
+
+    def timed_wait(saver) -> None:
+        began = time.perf_counter()
+        try:
+            plain_wait(saver)
+        finally:
+            if in_call and in_call[-1] is None:
+                in_call[-1] = round(time.perf_counter() - began, 3)
+
+    BackgroundSaver.wait = timed_wait
     tracing: list = []   # the profiler running from the last save call to 3 steps later (--trace-out)
 
     def write_trace(prof, step_marks) -> None:
@@ -109,11 +122,14 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
                     tracing.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                       torch.profiler.ProfilerActivity.CUDA]))
                     tracing[-1].start()
+                in_call.append(None)
                 start = time.perf_counter()
                 profiler = cProfile.Profile() if args.profile_out else None
                 with profiler or contextlib.nullcontext():
                     trainer.save_checkpoint(os.path.join(folder, f"step{batch_idx}.ckpt"))
                 saved.setdefault("call_s", []).append(round(time.perf_counter() - start, 3))
+                saved.setdefault("waited_s", []).append(in_call[-1] or 0.0)
+                in_call[-1] = 0.0
                 if profiler is not None:   # where the save call's time goes, each save after the other
                     with open(f"{args.profile_out}.{mode}", "a") as out:
                         out.write(f"== save at step {batch_idx}: {saved['call_s'][-1]} s\n")
@@ -142,7 +158,8 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
     size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files) \
         if os.path.isdir(folder) else 0
     return {"gil_stalls_ms": [{"total": round(sum(x), 1), "count": len(x), "largest": sorted(x)[-5:]} for x in stalls],
-            "normal_ms": normal, "after_ms": after, "call_s": saved.get("call_s"), "commit_s": saved.get("commit_s"),
+            "normal_ms": normal, "after_ms": after, "call_s": saved.get("call_s"), "waited_s": saved.get("waited_s"),
+            "commit_s": saved.get("commit_s"),
             "params_gib": state_gib, "written_gib": size / 2**30 / len(save_at),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
@@ -184,7 +201,7 @@ def main() -> None:
             continue
         ratios = "; ".join(", ".join(f"{t / r['normal_ms']:.2f}x" for t in after) for after in r["after_ms"])
         print(f"{mode}: normal step {r['normal_ms']:.1f} ms; the 3 steps after each save call: {ratios}; save calls "
-              f"{r['call_s']} s, the last committed {r['commit_s']} s after its call; parameters "
+              f"{r['call_s']} s (of which waiting for the write before: {r['waited_s']} s), the last committed {r['commit_s']} s after its call; parameters "
               f"{r['params_gib']:.2f} GiB, written "
               f"{r['written_gib']:.2f} GiB per save; peak {r['peak_gib']:.1f} GiB; GIL waits over 5 ms from each save "
               f"call to 3 steps later: {r['gil_stalls_ms']}", flush=True)
