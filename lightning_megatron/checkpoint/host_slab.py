@@ -11,21 +11,26 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .entries import Entry
+from .placement import Placement
 
 #: every CPU tensor and every run of GPU tensors starts at a multiple of this many bytes (any dtype's alignment)
 ALIGN = 256
 
 
 class Slot(NamedTuple):
+    """Where one tensor's bytes lie, and its placement in the global tensor (what the writer stores it as: fixed for
+    the life of a saver, whose parallel layout does not change)."""
+
     offset: int
     shape: Tuple[int, ...]
     dtype: torch.dtype
     on_gpu: bool
+    placement: Placement
 
     @property
     def nbytes(self) -> int:
@@ -46,13 +51,17 @@ class Run(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """Where each key's bytes lie; ``gpu_bytes``: the length of the leading range that holds the GPU tensors, in
-    ``gpu_runs``."""
+    """Where each key's bytes lie (``slots``, in the order of the entries it was made for); ``gpu_bytes``: the
+    length of the leading range that holds the GPU tensors, in ``gpu_runs``."""
 
     slots: Dict[str, Slot]
     nbytes: int
     gpu_bytes: int
-    gpu_runs: Tuple[Run, ...] = ()
+    gpu_runs: Tuple[Run, ...]
+
+    def entries(self, block: "HostSlab") -> List[Entry]:
+        """The entries this layout places, over ``block``'s views: what a save of them writes."""
+        return [Entry(key, slot.placement, [block.view(key)]) for key, slot in self.slots.items()]
 
     def matches(self, entries: Iterable[Entry]) -> bool:
         """Whether ``entries`` are exactly the tensors this layout places (same keys, shapes, dtypes, devices)."""
@@ -73,15 +82,15 @@ def layout_of(entries: Iterable[Entry]) -> Layout:
         start = offset
         keys = tuple(e.key for e in on_gpu if e.local.dtype == dtype)
         for entry in (e for e in on_gpu if e.local.dtype == dtype):
-            slots[entry.key] = slot = Slot(offset, tuple(entry.local.shape), dtype, True)
+            slots[entry.key] = slot = Slot(offset, tuple(entry.local.shape), dtype, True, entry.placement)
             offset += slot.nbytes
         runs.append(Run(dtype, start, offset, keys))
         offset = _aligned(offset)
     gpu_bytes = offset
     for entry in (e for e in entries if not e.local.is_cuda):
-        slots[entry.key] = slot = Slot(offset, tuple(entry.local.shape), entry.local.dtype, False)
+        slots[entry.key] = slot = Slot(offset, tuple(entry.local.shape), entry.local.dtype, False, entry.placement)
         offset = _aligned(offset + slot.nbytes)
-    return Layout(slots, offset, gpu_bytes, tuple(runs))
+    return Layout({e.key: slots[e.key] for e in entries}, offset, gpu_bytes, tuple(runs))
 
 
 def _aligned(offset: int) -> int:

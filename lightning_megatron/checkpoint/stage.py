@@ -50,12 +50,11 @@ def slab_for(entries: List[Entry], slab: Optional[HostSlab]) -> HostSlab:
 
 def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
             training_peak: Optional[int] = None) -> Snapshot:
-    """Snapshot ``entries`` (into ``slab``, which must place them) and ``blobs``. ``training_peak``: the most GPU
+    """Snapshot ``entries`` (into ``slab``, which must place them: ``slab_for``) and ``blobs``. ``training_peak``: the most GPU
     memory training has allocated (default ``torch.cuda.max_memory_allocated``; pass an estimate without earlier
     saves' blocks, which that peak may include)."""
-    assert slab.layout.matches(entries), "the slab does not place these entries"
     pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
-    staged = [Entry(entry.key, entry.placement, [slab.view(entry.key)]) for entry in entries]
+    staged = slab.layout.entries(slab)
     on_gpu = [entry for entry in entries if entry.local.is_cuda]
     on_cpu = [entry for entry in entries if not entry.local.is_cuda]
     copy_cpu = functools.partial(_copy, [slab.view(e.key) for e in on_cpu], [e.local.detach() for e in on_cpu])

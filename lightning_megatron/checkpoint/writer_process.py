@@ -3,8 +3,9 @@
 Written by a thread of the training process, a save's Python (DCP's planning, pickling every item, checksums)
 competed with training for the GIL, and every training thread gives the GIL up at each operator: GPT-1.3B on an
 H200 took 1.4-4x its step time for the steps a write overlapped. This process runs that Python instead. It maps the
-training process's host slab (``host_slab.py``, its descriptor sent once over a Unix socket), receives each save as
-names, placements and pickled objects, writes the shards with ``SaveJob.write`` and answers ``None`` or the error.
+training process's host slab (``host_slab.py``, its descriptor and layout, placements included, sent once over a
+Unix socket), receives each save as a path and pickled objects, writes the slab's entries with ``SaveJob.write`` and
+answers ``None`` or the error.
 Across ranks the writers form a gloo group of their own (rank 0's training process serves its store).
 
 The process is started with ``python -m`` (not multiprocessing's spawn, which re-runs an unguarded training
@@ -28,9 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .collective import distributed
-from .entries import Entry
 from .host_slab import HostSlab, Layout
-from .placement import Placement
 from .sharded import SaveJob
 
 #: a function run first in every writing process started from now on (tests plant faults in the writer with it);
@@ -39,7 +38,7 @@ CHILD_SETUP: Optional[Callable[[], None]] = None
 #: how long the writers' collectives wait for each other (a save that takes longer fails)
 GROUP_TIMEOUT = timedelta(minutes=30)
 
-Job = Tuple[str, str, List[Tuple[str, Placement]], Dict[str, Any], bool]   # path, staging, entries, blobs, checksums
+Job = Tuple[str, str, Dict[str, Any], bool]   # path, staging, pickled objects, checksums
 
 
 class WriterProcess:
@@ -104,9 +103,9 @@ def rendezvous(group: Any = None) -> Tuple[Optional[Tuple[str, int]], Any]:
         return None, None
     store, address = None, None
     if dist.get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = dist.TCPStore("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, 0,
-                              dist.get_world_size(), is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")   # where the other ranks reach rank 0
+        store = dist.TCPStore(host, 0, dist.get_world_size(), is_master=True, wait_for_workers=False,
+                              timeout=GROUP_TIMEOUT)
         address = (host, store.port)
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, address, group=group)
@@ -114,9 +113,9 @@ def rendezvous(group: Any = None) -> Tuple[Optional[Tuple[str, int]], Any]:
 
 
 def job_of(save: SaveJob) -> Job:
-    """What the child needs of ``save`` besides the slab's bytes."""
-    return (save.path, save.staging, [(entry.key, entry.placement) for entry in save.entries], save.blobs,
-            save.checksums)
+    """What the child needs of ``save`` besides the slab (whose layout says the entries: a save's entries are
+    exactly those the slab places)."""
+    return save.path, save.staging, save.blobs, save.checksums
 
 
 def _serve(conn: Connection, alive: int) -> None:
@@ -140,11 +139,10 @@ def _serve(conn: Connection, alive: int) -> None:
                     slab.close()
                 slab = HostSlab(message[1], fd=recv_handle(conn))
                 continue
-            path, staging, entries, blobs, checksums = message[1]
+            path, staging, blobs, checksums = message[1]
             try:
                 assert slab is not None, "no slab was sent"
-                SaveJob(path, staging, [Entry(key, placement, [slab.view(key)]) for key, placement in entries],
-                        blobs, checksums).write()
+                SaveJob(path, staging, slab.layout.entries(slab), blobs, checksums).write()
                 conn.send(None)
             except BaseException as err:  # noqa: BLE001 - the training process raises it
                 conn.send(_picklable(err))

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_megatron.checkpoint import is_checkpoint, read_full_state_dict, writer_process
 from lightning_megatron.testing import MultiRankError, run_on_ranks
 from helpers.checkpoint_utils import assert_same
+from helpers.fault_runs import alive
 from helpers.strategy_utils import TinyGPT, fit_tiny_gpt
 
 TP2 = dict(tensor_model_parallel_size=2)
@@ -172,22 +173,13 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_previous_ch
         run_on_ranks(_failing_write, 2, str(tmp_path), 3, "kill", timeout=300)
     writer = int((tmp_path / "writer.1").read_text())
     deadline = time.monotonic() + 10
-    while _alive(writer):   # its training process is gone: the writer ends without committing
+    while alive(writer):   # its training process is gone: the writer ends without committing
         assert time.monotonic() < deadline, "the writing process outlived its training process"
         time.sleep(0.1)
     names = sorted(os.listdir(tmp_path / "ckpts"))
     assert "step=3.ckpt" not in names and is_checkpoint(tmp_path / "ckpts" / "step=2.ckpt"), names
     for straight, resumed in run_on_ranks(_resume, 2, str(tmp_path), 2, timeout=300):
         assert resumed == straight[2:]
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:   # a zombie (ended, not yet reaped) is gone for this purpose
-        return stat.read().split(") ")[-1][0] != "Z"
 
 
 def _host_buffers_at_each_save(root):

@@ -18,6 +18,7 @@ from lightning_megatron.checkpoint.host_slab import ALIGN, HostSlab, layout_of
 from lightning_megatron.checkpoint.placement import Ranks, placement_of
 from lightning_megatron.checkpoint.sharded import load_sharded
 from lightning_megatron.checkpoint.stage import slab_for, to_host
+from helpers.fault_runs import alive
 
 
 def _entries(tensors):
@@ -115,17 +116,9 @@ def test_the_writer_process_ends_when_its_training_process_dies(tmp_path):
     assert out.returncode == 9, out.stderr
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 20
-    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+    while alive(pid):
         assert time.monotonic() < deadline, "the writing process outlived its training process"
         time.sleep(0.1)
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ")[-1][0]
-    except FileNotFoundError:
-        return "gone"
 
 
 def test_a_slab_closed_while_a_view_lives_is_released_with_the_view():
