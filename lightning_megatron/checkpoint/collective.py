@@ -19,19 +19,18 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
-def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+def barrier() -> None:
     if distributed():
-        dist.barrier(group=group)
+        dist.barrier()
 
 
-def agree(error: Optional[BaseException], payload: Any = None, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+def agree(error: Optional[BaseException], payload: Any = None) -> List[Any]:
     """Gather ``payload`` from every rank; if any rank failed, raise the lowest failing rank's
-    error on every rank, so none of them goes on into a collective the others never enter.
-    ``group``: a group over the whole world (a background save's own), else the default group."""
+    error on every rank, so none of them goes on into a collective the others never enter."""
     local = (None if error is None else (type(error), str(error)), payload)
     if distributed():
         gathered: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local, group=group)
+        dist.all_gather_object(gathered, local)
     else:
         gathered = [local]
     for failure, _ in gathered:

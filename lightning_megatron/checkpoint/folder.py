@@ -13,7 +13,6 @@ import os
 import shutil
 from typing import Dict, Optional
 
-from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -44,17 +43,16 @@ def begin(path: str) -> str:
     return staging
 
 
-def commit(staging: str, path: str, group: Optional[ProcessGroup] = None) -> None:
-    """Rename the finished staging folder to ``path``, replacing what was there (collective over the world,
-    through ``group`` when given: a background save must not share the training's group)."""
-    barrier(group)
+def commit(staging: str, path: str) -> None:
+    """Rename the finished staging folder to ``path``, replacing what was there (collective over the world)."""
+    barrier()
     error = None
     if rank() == 0:
         try:
             _swap_in(staging, path)
         except Exception as err:  # noqa: BLE001 - agreed on, so no rank waits for rank 0 forever
             error = err
-    agree(error, group=group)
+    agree(error)
 
 
 def _swap_in(staging: str, path: str) -> None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -57,18 +56,17 @@ class SaveJob:
     blobs: Dict[str, Any]
     checksums: bool = False
 
-    def write(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Write every rank's shards and make the folder visible (collective over the world, through ``group``
-        when given, e.g. from a background thread that must not share the training's group)."""
+    def write(self) -> None:
+        """Write every rank's shards and make the folder visible (collective over the world: the training's, or the
+        writing processes' own for a background save)."""
         writer = ChecksumWriter(self.staging) if self.checksums else dcp.FileSystemWriter(self.staging)
         try:
-            dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(self.entries, self.blobs),
-                     process_group=group)
+            dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(self.entries, self.blobs))
         except CheckpointException as err:   # a BaseException: turn it into an ordinary error
             raise CheckpointError(f"saving {self.path} failed ({summarize_failures(err)}); nothing was committed: "
                                   f"what was at {self.path} before is untouched and the partial write stays in "
                                   f"{self.staging}.") from err
-        folder.commit(self.staging, self.path, group)
+        folder.commit(self.staging, self.path)
 
 
 def collect_save(model_modules: Modules, optimizers: Optimizers = None, extra_state: Any = None, *,

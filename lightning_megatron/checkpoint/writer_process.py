@@ -96,8 +96,8 @@ class WriterProcess:
         os.close(self._alive)
 
 
-def rendezvous(group: Any = None) -> Tuple[Optional[Tuple[str, int]], Any]:
-    """Rank 0 serves a store for the writers' group; every rank learns its address (collective over ``group``).
+def rendezvous() -> Tuple[Optional[Tuple[str, int]], Any]:
+    """Rank 0 serves a store for the writers' group; every rank learns its address (collective).
     Returns the address (``None`` in a single process) and the store to keep alive (rank 0's, else ``None``)."""
     if not distributed():
         return None, None
@@ -108,7 +108,7 @@ def rendezvous(group: Any = None) -> Tuple[Optional[Tuple[str, int]], Any]:
                               timeout=GROUP_TIMEOUT)
         address = (host, store.port)
     gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, address, group=group)
+    dist.all_gather_object(gathered, address)
     return gathered[0], store
 
 
