@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -22,8 +22,9 @@ from .collective import rank, world_size
 from .entries import Modules
 from .errors import CheckpointError
 from .host_slab import HostSlab
-from .sharded import Optimizers, collect_save, prepare_save
-from .stage import Snapshot, slab_for, to_host
+from .sharded import Optimizers, prepare_save
+from .stage import CopyPlan, Snapshot, plan_copies, slab_for, to_host, warm_block
+from .tensor_cache import TensorCollector
 from .writer_process import WriterProcess, job_of, rendezvous
 
 
@@ -41,6 +42,8 @@ class BackgroundSaver:
         self._store: Any = None   # rank 0's: the store of the writers' group
         self._peak_floor = 0      # the GPU's peak allocation before the last save's GPU block
         self._cloned_bytes = 0    # what the last save's GPU block held (counted in the peak since)
+        self._collect = TensorCollector()   # the entries, collected again only when the tensors changed
+        self._plan: Optional[Tuple[List[Any], CopyPlan]] = None   # the copies for those entries into the slab
 
     def save(self, path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
              extra_state: Any = None, *, rank_state: Any = None, checksums: bool = False) -> None:
@@ -50,14 +53,15 @@ class BackgroundSaver:
         snapshots: List[Snapshot] = []
 
         def stage(entries: List[Any], blobs: dict) -> Any:
-            self._slab = slab_for(entries, self._slab)
-            snapshot = to_host(entries, blobs, self._slab, self._training_peak(entries))
+            plan = self._plan_for(entries)
+            assert self._slab is not None
+            snapshot = to_host(entries, blobs, self._slab, self._training_peak(entries), plan)
             snapshots.append(snapshot)
             self._cloned_bytes = snapshot.cloned_bytes
             return snapshot.entries, snapshot.pickled
 
         job = prepare_save(path, model_modules, optimizers, extra_state, rank_state=rank_state, checksums=checksums,
-                           stage=stage)
+                           stage=stage, collect=self._collect)
         writer = self._start_writer()
         if not writer.connected:
             address, self._store = rendezvous()
@@ -71,10 +75,25 @@ class BackgroundSaver:
     def reserve(self, model_modules: Modules, optimizers: Optimizers = None) -> None:
         """Make the host slab the saves of this state will use (pinned for GPU tensors) and start the writing
         process now, at a point where a stall is expected (after the first optimizer step), not at the first save.
-        Not collective."""
+        A GPU block is filled and let go as a save would (``warm_block``): the first save finds its memory in the
+        allocator and its kernels loaded. Not collective."""
         self.wait()
-        self._slab = slab_for(collect_save(model_modules, optimizers)[0], self._slab)
+        entries, _ = self._collect(model_modules, optimizers)
+        plan = self._plan_for(entries)
+        assert self._slab is not None
+        peak = self._training_peak(entries)
+        warmed = warm_block(plan, self._slab, peak)
+        if warmed:   # the peak may count the block from now on: the next save's estimate takes it off
+            self._cloned_bytes = warmed
         self._start_writer()
+
+    def _plan_for(self, entries: List[Any]) -> CopyPlan:
+        """The slab and the copies for ``entries``, made again only when they are not the entries last planned."""
+        if self._plan is None or self._plan[0] is not entries:
+            self._plan = None
+            self._slab = slab_for(entries, self._slab)
+            self._plan = (entries, plan_copies(entries, self._slab))
+        return self._plan[1]
 
     def _start_writer(self) -> WriterProcess:
         """The writing process, started now if it is not yet (its imports overlap training until the first save)."""
@@ -119,6 +138,8 @@ class BackgroundSaver:
             self.wait()
         finally:
             writer, slab, self._writer, self._slab, self._store = self._writer, self._slab, None, None, None
+            self._plan = None
+            self._collect.clear()
             if writer is not None:
                 writer.close()
             if slab is not None:

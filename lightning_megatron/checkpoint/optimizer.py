@@ -41,18 +41,15 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-def optimizer_entries(optimizer: torch.optim.Optimizer, index: int,
-                      params: ParamIndex) -> Tuple[Dict[str, Entry], Dict[str, Any]]:
-    """``(tensor entries, pickled objects)`` of optimizer ``index``'s per-parameter state."""
+def optimizer_entries(optimizer: torch.optim.Optimizer, index: int, params: ParamIndex) -> Dict[str, Entry]:
+    """The tensor entries of optimizer ``index``'s per-parameter state (its other values: ``optimizer_objects``)."""
     entries: Dict[str, Entry] = {}
-    blobs: Dict[str, Any] = {}
     for param in _params(optimizer):
         name, placement = _name_of(param, params, index)
         for key, value in optimizer.state.get(param, {}).items():
-            full_key = state_key(index, name, key)
             if not isinstance(value, torch.Tensor):
-                blobs[full_key] = value
                 continue
+            full_key = state_key(index, name, key)
             value = value.detach()
             if full_key in entries:
                 entries[full_key].tensors.append(value)  # a tied copy's state on this rank
@@ -64,7 +61,19 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, index: int,
                     f"(local shape {tuple(param.shape)}): only state shaped like its parameter (Adam, SGD momentum) "
                     f"or scalars can be resharded.")
             entries[full_key] = Entry(full_key, placement if shaped else whole(value), [value])
-    return entries, blobs
+    return entries
+
+
+def optimizer_objects(optimizer: torch.optim.Optimizer, index: int, params: ParamIndex) -> Dict[str, Any]:
+    """The per-parameter state values of optimizer ``index`` that are not tensors (stored pickled)."""
+    blobs: Dict[str, Any] = {}
+    for param in _params(optimizer):
+        state = optimizer.state.get(param)
+        if state:
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    blobs[state_key(index, _name_of(param, params, index)[0], key)] = value
+    return blobs
 
 
 class OptimizerLoad:

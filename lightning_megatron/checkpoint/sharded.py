@@ -26,7 +26,7 @@ from .entries import Entry, Modules, as_list, check_entries, model_entries, unex
 from .errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError, summarize_failures
 from .info import layout_info
 from .keys import EXTRA_STATE, INFO, param_groups_key, rank_state_key
-from .optimizer import OptimizerLoad, hyperparameters, optimizer_entries
+from .optimizer import OptimizerLoad, ParamIndex, hyperparameters, optimizer_entries, optimizer_objects
 from .planner import PieceLoadPlanner, PieceSavePlanner
 
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
@@ -72,13 +72,26 @@ class SaveJob:
 def collect_save(model_modules: Modules, optimizers: Optimizers = None, extra_state: Any = None, *,
                  rank_state: Any = None) -> Tuple[List[Entry], Dict[str, Any]]:
     """What this rank writes: the tensor entries (model, then optimizer state) and the objects (not collective)."""
+    entries, of_param = collect_tensors(model_modules, optimizers)
+    return entries, collect_objects(of_param, optimizers, extra_state, rank_state=rank_state)
+
+
+def collect_tensors(model_modules: Modules, optimizers: Optimizers = None) -> Tuple[List[Entry], ParamIndex]:
+    """The tensor entries this rank writes (model, then optimizer state) and ``id(param) → (name, placement)``."""
     model = model_entries(model_modules)
     entries: List[Entry] = list(model.by_name.values())
+    for i, optimizer in enumerate(as_list(optimizers)):
+        entries += optimizer_entries(optimizer, i, model.of_param).values()
+    return entries, model.of_param
+
+
+def collect_objects(of_param: ParamIndex, optimizers: Optimizers = None, extra_state: Any = None, *,
+                    rank_state: Any = None) -> Dict[str, Any]:
+    """The objects this rank writes (pickled): optimizer hyper-parameters and non-tensor state, the layout, the
+    caller's ``extra_state`` (rank 0's) and ``rank_state``."""
     blobs: Dict[str, Any] = {}
     for i, optimizer in enumerate(as_list(optimizers)):
-        tensors, objects = optimizer_entries(optimizer, i, model.of_param)
-        entries += tensors.values()
-        blobs.update(objects)
+        blobs.update(optimizer_objects(optimizer, i, of_param))
         if rank() == 0:
             blobs[param_groups_key(i)] = hyperparameters(optimizer)
     if rank() == 0:
@@ -87,21 +100,24 @@ def collect_save(model_modules: Modules, optimizers: Optimizers = None, extra_st
             blobs[EXTRA_STATE] = extra_state
     if rank_state is not None:
         blobs[rank_state_key(rank())] = rank_state
-    return entries, blobs
+    return blobs
 
 
 def prepare_save(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,
                  extra_state: Any = None, *, rank_state: Any = None, checksums: bool = False,
                  stage: Optional[Callable[[List[Entry], Dict[str, Any]], Tuple[List[Entry], Dict[str, Any]]]] = None,
+                 collect: Callable[[Modules, Optimizers], Tuple[List[Entry], ParamIndex]] = collect_tensors,
                  ) -> SaveJob:
-    """Collect what this rank writes (``stage``: turn it into a snapshot), agree on it and create the staging
-    folder (collective): a problem on any rank is raised on every rank before anything is written."""
+    """Collect what this rank writes (``collect``: its tensors, as ``collect_tensors``; ``stage``: turn it into a
+    snapshot), agree on it and create the staging folder (collective): a problem on any rank is raised on every rank
+    before anything is written."""
     path = os.fspath(path)
     error: Optional[Exception] = None
     entries: List[Entry] = []
     blobs: Dict[str, Any] = {}
     try:
-        entries, blobs = collect_save(model_modules, optimizers, extra_state, rank_state=rank_state)
+        entries, of_param = collect(model_modules, optimizers)
+        blobs = collect_objects(of_param, optimizers, extra_state, rank_state=rank_state)
         if stage is not None:
             entries, blobs = stage(entries, blobs)
     except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank

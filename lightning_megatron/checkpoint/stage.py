@@ -14,7 +14,6 @@ its buffers took 30-48x its time).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -48,42 +47,79 @@ def slab_for(entries: List[Entry], slab: Optional[HostSlab]) -> HostSlab:
     return HostSlab(layout, pin=layout.gpu_bytes > 0 and torch.cuda.is_available())
 
 
-def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
-            training_peak: Optional[int] = None) -> Snapshot:
-    """Snapshot ``entries`` (into ``slab``, which must place them: ``slab_for``) and ``blobs``. ``training_peak``: the most GPU
-    memory training has allocated (default ``torch.cuda.max_memory_allocated``; pass an estimate without earlier
-    saves' blocks, which that peak may include)."""
-    pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
-    staged = slab.layout.entries(slab)
+class CopyPlan(NamedTuple):
+    """What a snapshot of ``entries`` into a slab copies, worked out once while they stay the same tensors:
+    ``staged``, the entries over the slab's views; the CPU tensors and their slab views; the GPU tensors, their slab
+    views and, per run of the layout, their flattened views (the ``cat`` inputs)."""
+
+    staged: List[Entry]
+    cpu_targets: List[torch.Tensor]
+    cpu_sources: List[torch.Tensor]
+    gpu_targets: List[torch.Tensor]
+    gpu_sources: List[torch.Tensor]
+    run_sources: List[List[torch.Tensor]]
+
+
+def plan_copies(entries: List[Entry], slab: HostSlab) -> CopyPlan:
+    """The copies that snapshot ``entries`` into ``slab`` (which must place them: ``slab_for``)."""
     on_gpu = [entry for entry in entries if entry.local.is_cuda]
     on_cpu = [entry for entry in entries if not entry.local.is_cuda]
-    copy_cpu = functools.partial(_copy, [slab.view(e.key) for e in on_cpu], [e.local.detach() for e in on_cpu])
-    copy_cpu()   # at the save's point: training changes these tensors once the call returns
-    if not on_gpu:
-        return Snapshot(lambda: None, staged, pickled, 0)
-    device = on_gpu[0].local.device
-    sources = [entry.local.detach() for entry in on_gpu]
+    by_key = {entry.key: entry.local.detach() for entry in on_gpu}
+    runs = [[by_key[key].reshape(-1) for key in run.keys] for run in slab.layout.gpu_runs]
+    return CopyPlan(slab.layout.entries(slab), [slab.view(e.key) for e in on_cpu], [e.local.detach() for e in on_cpu],
+                    [slab.view(e.key) for e in on_gpu], list(by_key.values()), runs)
+
+
+def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
+            training_peak: Optional[int] = None, plan: Optional[CopyPlan] = None) -> Snapshot:
+    """Snapshot ``entries`` (into ``slab``, which must place them: ``slab_for``) and ``blobs``. ``training_peak``: the most GPU
+    memory training has allocated (default ``torch.cuda.max_memory_allocated``; pass an estimate without earlier
+    saves' blocks, which that peak may include); ``plan``: ``plan_copies(entries, slab)`` if already made."""
+    plan = plan or plan_copies(entries, slab)
+    pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
+    _copy(plan.cpu_targets, plan.cpu_sources)   # at the save's point: training changes these once the call returns
+    if not plan.gpu_sources:
+        return Snapshot(lambda: None, plan.staged, pickled, 0)
+    device = plan.gpu_sources[0].device
     layout = slab.layout
     if _clones_fit(layout.gpu_bytes, device, training_peak):
-        return Snapshot(_land_block(layout, sources, on_gpu, slab, device), staged, pickled, layout.gpu_bytes)
-    _copy([slab.view(entry.key) for entry in on_gpu], sources, non_blocking=True)
+        return Snapshot(_land_block(layout, plan.run_sources, slab, device), plan.staged, pickled, layout.gpu_bytes)
+    _copy(plan.gpu_targets, plan.gpu_sources, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()   # the copies are queued on the current stream: the next step cannot change them first
-    return Snapshot(copied.synchronize, staged, pickled, 0)
+    return Snapshot(copied.synchronize, plan.staged, pickled, 0)
 
 
-def _land_block(layout: Layout, sources: List[torch.Tensor], on_gpu: List[Entry], slab: HostSlab,
-                device: torch.device) -> Callable[[], None]:
-    """Copy the GPU tensors into one GPU block laid out as the slab's GPU range (one ``cat`` per dtype run, on the
-    current stream) now; the returned function copies the block into the slab on a stream of its own and lets it
-    go."""
+def warm_block(plan: CopyPlan, slab: HostSlab, training_peak: Optional[int] = None) -> int:
+    """Do a save's copies once, ahead of it (``reserve``): the CPU tensors into the slab (its pages are touched now,
+    not at the first save), and the GPU tensors into a GPU block let go at once: the allocator keeps its memory, so
+    the first save neither allocates gigabytes nor loads the copy kernels while training waits. Returns the bytes
+    the block held (0 when it does not fit or nothing is on a GPU)."""
+    _copy(plan.cpu_targets, plan.cpu_sources)
+    if not plan.gpu_sources:
+        return 0
+    device = plan.gpu_sources[0].device
+    if not _clones_fit(slab.layout.gpu_bytes, device, training_peak):
+        return 0
+    _fill_block(slab.layout, plan.run_sources, device)
+    return slab.layout.gpu_bytes
+
+
+def _fill_block(layout: Layout, run_sources: List[List[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """One GPU block laid out as the slab's GPU range, filled with one ``cat`` per dtype run on the current stream."""
     block = torch.empty(layout.gpu_bytes, dtype=torch.uint8, device=device)
-    by_key = {entry.key: source for entry, source in zip(on_gpu, sources)}
-    for run in layout.gpu_runs:
-        torch.cat([by_key[key].reshape(-1) for key in run.keys], out=block[run.start:run.end].view(run.dtype))
+    for run, sources in zip(layout.gpu_runs, run_sources):
+        torch.cat(sources, out=block[run.start:run.end].view(run.dtype))
+    return block
+
+
+def _land_block(layout: Layout, run_sources: List[List[torch.Tensor]], slab: HostSlab,
+                device: torch.device) -> Callable[[], None]:
+    """Copy the GPU tensors into one GPU block (``_fill_block``) now; the returned function copies the block into the
+    slab on a stream of its own and lets it go."""
+    held = [_fill_block(layout, run_sources, device)]
     cloned = torch.cuda.Event()
     cloned.record()
-    held = [block]
 
     def land() -> None:
         stream = torch.cuda.Stream(device)

@@ -74,6 +74,30 @@ def test_clones_are_freed_once_written_and_refused_without_room(tmp_path):
     saver.close()
 
 
+def test_reserve_warms_the_gpu_block_so_the_first_save_allocates_nothing_new(tmp_path):
+    """``reserve`` fills a GPU block once and lets it go: the first save's block comes from the allocator's cache
+    (reserved memory does not grow), nothing stays allocated, and the snapshot is still the save's state."""
+    model, optimizer = model_and_optimizer()
+    train(model, optimizer, 1)
+    saver = BackgroundSaver()
+    saver.reserve(model, optimizer)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    assert reserved - allocated >= saver._slab.layout.gpu_bytes   # the block's memory is kept, unused
+    train(model, optimizer, 1)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    saver.save(tmp_path / "ckpt", model, optimizer)
+    assert torch.cuda.memory_reserved() == reserved
+    saver.wait()
+    saver.close()
+    fresh, _ = model_and_optimizer()
+    load_sharded(tmp_path / "ckpt", fresh)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_every_dtype_and_layout_lands_exactly_in_the_pinned_slab():
     """bf16, float32, int64 and bool tensors, a transposed (strided) one and an empty one, through the GPU block and
     the one transfer to the pinned slab: each slab view equals its source."""

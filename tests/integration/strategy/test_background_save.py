@@ -183,31 +183,47 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_previous_ch
 
 
 def _host_buffers_at_each_save(root):
-    """Each time a background saver looks for its host slab (after the first optimizer step, at each save): the one it
-    found (or ``None``), the one it used, the keys it places, whether it is pinned."""
-    from lightning_megatron.checkpoint import background
+    """What the background saver did, in order: ``("call",)`` at each save call, ``("slab", id, keys, pinned)`` for
+    each host slab made, ``("collect",)`` for each time it collected the entries, ``("save", id of the slab used)``
+    for each snapshot."""
+    from lightning_megatron.checkpoint import background, host_slab, tensor_cache
 
-    seen, original = [], background.slab_for
+    seen = []
+    originals = host_slab.HostSlab.__init__, tensor_cache.collect_tensors, background.to_host
+    save = background.BackgroundSaver.save
 
-    def recording(entries, slab):
-        used = original(entries, slab)
-        seen.append((None if slab is None else id(slab), id(used), sorted(used.layout.slots), used.pinned))
-        return used
+    def calling(*args, **kwargs):
+        seen.append(("call",))
+        return save(*args, **kwargs)
 
-    background.slab_for = recording
+    def making(slab, layout, **kwargs):
+        originals[0](slab, layout, **kwargs)
+        seen.append(("slab", id(slab), sorted(layout.slots), slab.pinned))
+
+    def collecting(*args):
+        seen.append(("collect",))
+        return originals[1](*args)
+
+    def saving(entries, blobs, slab, *args):
+        seen.append(("save", id(slab)))
+        return originals[2](entries, blobs, slab, *args)
+
+    host_slab.HostSlab.__init__, tensor_cache.collect_tensors, background.to_host = making, collecting, saving
+    background.BackgroundSaver.save = calling
     try:
         _fit(os.path.join(root, "ckpts"), 2, True)
     finally:
-        background.slab_for = original
+        host_slab.HostSlab.__init__, tensor_cache.collect_tensors, background.to_host = originals
+        background.BackgroundSaver.save = save
     return seen
 
 
 def test_the_host_buffers_are_made_after_the_first_optimizer_step_not_at_the_first_save(tmp_path):
     """With background saves the host slab every save copies into exists before the first save (made after the first
-    optimizer step, every AdamW state included): no save makes one, and every save reuses the same one."""
+    optimizer step, every AdamW state included): no save makes one, and every save reuses the same one. The entries
+    are collected once too: the saves find the same tensors and reuse them."""
     for seen in run_on_ranks(_host_buffers_at_each_save, 2, str(tmp_path), timeout=300):
-        assert len(seen) == 3   # made after the first optimizer step, then found by each of the two saves
-        (_, made, *_), saves = seen[0], seen[1:]
-        for found, used, keys, pinned in seen:
-            assert any(".exp_avg_sq" in key for key in keys) and not pinned   # CPU training: nothing to pin
-        assert all(found == used == made for found, used, _, _ in saves)
+        assert [event[0] for event in seen] == ["collect", "slab", "call", "save", "call", "save"], seen
+        _, made, keys, pinned = seen[1]
+        assert any(".exp_avg_sq" in key for key in keys) and not pinned   # CPU training: nothing to pin
+        assert seen[3][1] == seen[5][1] == made
