@@ -93,6 +93,26 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
                 in_call[-1] = round(time.perf_counter() - began, 3)
 
     BackgroundSaver.wait = timed_wait
+    parts: list = []   # per save call: milliseconds in each part of it (--parts)
+
+    def time_part(owner, name: str, label: str) -> None:
+        plain = getattr(owner, name)
+
+        def timed(*a, **k):
+            began = time.perf_counter()
+            try:
+                return plain(*a, **k)
+            finally:
+                if parts:
+                    parts[-1][label] = round(parts[-1].get(label, 0.0) + (time.perf_counter() - began) * 1e3, 2)
+        setattr(owner, name, timed)
+
+    if args.parts:
+        from lightning_megatron.checkpoint import background, folder as ckpt_folder, sharded, stage, tensor_cache
+        for owner, name in [(tensor_cache, "fingerprint"), (sharded, "collect_objects"), (background, "to_host"),
+                            (stage, "_clones_fit"), (stage, "_fill_block"), (sharded, "agree"),
+                            (ckpt_folder, "begin"), (background, "rendezvous"), (background, "job_of")]:
+            time_part(owner, name, f"{owner.__name__.rsplit('.', 1)[-1]}.{name}")
     tracing: list = []   # the profiler running from the last save call to 3 steps later (--trace-out)
 
     def write_trace(prof, step_marks) -> None:
@@ -123,6 +143,10 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
                                                                       torch.profiler.ProfilerActivity.CUDA]))
                     tracing[-1].start()
                 in_call.append(None)
+                if args.parts and not parts:   # Lightning's own parts of the call, timed on the trainer's objects
+                    time_part(trainer._checkpoint_connector, "dump_checkpoint", "lightning.dump_checkpoint")
+                    time_part(trainer.strategy, "broadcast", "strategy.broadcast")
+                parts.append({})
                 start = time.perf_counter()
                 profiler = cProfile.Profile() if args.profile_out else None
                 with profiler or contextlib.nullcontext():
@@ -159,7 +183,7 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
         if os.path.isdir(folder) else 0
     return {"gil_stalls_ms": [{"total": round(sum(x), 1), "count": len(x), "largest": sorted(x)[-5:]} for x in stalls],
             "normal_ms": normal, "after_ms": after, "call_s": saved.get("call_s"), "waited_s": saved.get("waited_s"),
-            "commit_s": saved.get("commit_s"),
+            "commit_s": saved.get("commit_s"), "call_parts_ms": parts,
             "params_gib": state_gib, "written_gib": size / 2**30 / len(save_at),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
@@ -185,6 +209,7 @@ def main() -> None:
                         "to this path + '.<mode>'")
     parser.add_argument("--trace-out", default=None, help="profile the last save's call and the 3 steps after it "
                         "(CUDA calls per thread, GPU idle gaps, copies) into this path + '.<mode>' (JSON)")
+    parser.add_argument("--parts", action="store_true", help="time the parts of each save call (ms)")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in each run")
     parser.add_argument("--only")
     args = parser.parse_args()
@@ -195,8 +220,8 @@ def main() -> None:
           f"{args.precision}  batch {args.batch}x{args.seq}", flush=True)
     for mode in args.modes.split(","):
         r = run_isolated(mode, [sys.executable, os.path.abspath(__file__), "--only", mode]
-                         + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                              if k not in ("only", "modes") and v is not None])
+                         + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+                              if k not in ("only", "modes") and v is not None and v is not False])
         if r is None:
             continue
         ratios = "; ".join(", ".join(f"{t / r['normal_ms']:.2f}x" for t in after) for after in r["after_ms"])
@@ -205,6 +230,8 @@ def main() -> None:
               f"{r['params_gib']:.2f} GiB, written "
               f"{r['written_gib']:.2f} GiB per save; peak {r['peak_gib']:.1f} GiB; GIL waits over 5 ms from each save "
               f"call to 3 steps later: {r['gil_stalls_ms']}", flush=True)
+        if r.get("call_parts_ms"):
+            print(f"{mode}: parts of each save call (ms): {r['call_parts_ms']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def world_size() -> int:
 
 
 def barrier() -> None:
-    if distributed():
+    if world_size() > 1:
         dist.barrier()
 
 
@@ -28,7 +28,7 @@ def agree(error: Optional[BaseException], payload: Any = None) -> List[Any]:
     """Gather ``payload`` from every rank; if any rank failed, raise the lowest failing rank's
     error on every rank, so none of them goes on into a collective the others never enter."""
     local = (None if error is None else (type(error), str(error)), payload)
-    if distributed():
+    if world_size() > 1:   # one process alone: no collective (over NCCL it would wait for the GPU's queue)
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
     else:

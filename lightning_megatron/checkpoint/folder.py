@@ -29,17 +29,13 @@ def staging_path(path: str) -> str:
 
 
 def begin(path: str) -> str:
-    """Create an empty staging folder for ``path`` (rank 0; collective) and return its name."""
+    """Create an empty staging folder for ``path`` (rank 0; not collective: the caller agrees on its error with the
+    other ranks before anything is written) and return its name."""
     staging = staging_path(path)
-    error = None
     if rank() == 0:
-        try:
-            if os.path.exists(staging):
-                shutil.rmtree(staging)    # debris of an earlier interrupted save
-            os.makedirs(staging)
-        except OSError as err:
-            error = err
-    agree(error)
+        if os.path.exists(staging):
+            shutil.rmtree(staging)    # debris of an earlier interrupted save
+        os.makedirs(staging)
     return staging
 
 

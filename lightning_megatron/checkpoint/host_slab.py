@@ -42,7 +42,7 @@ class Slot(NamedTuple):
 
 class Run(NamedTuple):
     """GPU tensors of one dtype packed back to back in ``[start, end)``, in the order of ``keys``: one copy fills
-    them all (``torch.cat`` into the run)."""
+    them all (one ``_foreach_copy_`` into the run split into their views)."""
 
     dtype: torch.dtype
     start: int

@@ -115,18 +115,20 @@ def prepare_save(path: Union[str, os.PathLike], model_modules: Modules, optimize
     error: Optional[Exception] = None
     entries: List[Entry] = []
     blobs: Dict[str, Any] = {}
+    staging = folder.staging_path(path)
     try:
         entries, of_param = collect(model_modules, optimizers)
         blobs = collect_objects(of_param, optimizers, extra_state, rank_state=rank_state)
         if stage is not None:
             entries, blobs = stage(entries, blobs)
+        folder.begin(path)   # rank 0 (within the one agreement below: a save call makes a single collective)
     except Exception as err:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = err
     paths = agree(error, path)
     if len(set(paths)) > 1:
         raise ValueError(f"save_sharded was called with different paths on different ranks: {sorted(set(paths))}; "
                          "pass the same path everywhere (broadcast it from rank 0).")
-    return SaveJob(path, folder.begin(path), entries, blobs, checksums)
+    return SaveJob(path, staging, entries, blobs, checksums)
 
 
 def load_sharded(path: Union[str, os.PathLike], model_modules: Modules, optimizers: Optimizers = None,

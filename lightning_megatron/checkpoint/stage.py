@@ -2,8 +2,8 @@
 
 What must happen at the save's point in training (the calling thread) is kept to a few calls: objects are
 pickled, CPU tensors copied into the host slab (``host_slab.py``), and the GPU tensors copied **on the GPU** into
-one block laid out as the slab's GPU range (one ``cat`` per dtype, milliseconds even for gigabytes) when the card
-has room for it beside the training's peak. The writing thread then copies that block into the pinned slab in one
+one block laid out as the slab's GPU range (one ``_foreach_copy_`` per dtype, milliseconds even for gigabytes) when
+the card has room for it beside the training's peak. The writing thread then copies that block into the pinned slab in one
 transfer on a stream of its own while training goes on, and frees it. Without room for the block the GPU tensors
 are copied into the slab on the current stream, as part of the next step (which then waits for the copy).
 
@@ -49,8 +49,9 @@ def slab_for(entries: List[Entry], slab: Optional[HostSlab]) -> HostSlab:
 
 class CopyPlan(NamedTuple):
     """What a snapshot of ``entries`` into a slab copies, worked out once while they stay the same tensors:
-    ``staged``, the entries over the slab's views; the CPU tensors and their slab views; the GPU tensors, their slab
-    views and, per run of the layout, their flattened views (the ``cat`` inputs)."""
+    ``staged``, the entries over the slab's views; the CPU tensors and their slab views; the GPU tensors and their
+    slab views; per run of the layout, its tensors (flat views where contiguous: views, never copies, since the plan
+    outlives the call), their sizes, and which of them keep their shape (not contiguous)."""
 
     staged: List[Entry]
     cpu_targets: List[torch.Tensor]
@@ -58,6 +59,8 @@ class CopyPlan(NamedTuple):
     gpu_targets: List[torch.Tensor]
     gpu_sources: List[torch.Tensor]
     run_sources: List[List[torch.Tensor]]
+    run_sizes: List[List[int]]
+    run_shaped: List[List[int]]
 
 
 def plan_copies(entries: List[Entry], slab: HostSlab) -> CopyPlan:
@@ -65,9 +68,12 @@ def plan_copies(entries: List[Entry], slab: HostSlab) -> CopyPlan:
     on_gpu = [entry for entry in entries if entry.local.is_cuda]
     on_cpu = [entry for entry in entries if not entry.local.is_cuda]
     by_key = {entry.key: entry.local.detach() for entry in on_gpu}
-    runs = [[by_key[key].reshape(-1) for key in run.keys] for run in slab.layout.gpu_runs]
+    runs = [[by_key[key] for key in run.keys] for run in slab.layout.gpu_runs]
     return CopyPlan(slab.layout.entries(slab), [slab.view(e.key) for e in on_cpu], [e.local.detach() for e in on_cpu],
-                    [slab.view(e.key) for e in on_gpu], list(by_key.values()), runs)
+                    [slab.view(e.key) for e in on_gpu], list(by_key.values()),
+                    [[t.view(-1) if t.is_contiguous() else t for t in tensors] for tensors in runs],
+                    [[t.numel() for t in tensors] for tensors in runs],
+                    [[i for i, t in enumerate(tensors) if not t.is_contiguous()] for tensors in runs])
 
 
 def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
@@ -76,18 +82,25 @@ def to_host(entries: List[Entry], blobs: Dict[str, Any], slab: HostSlab,
     memory training has allocated (default ``torch.cuda.max_memory_allocated``; pass an estimate without earlier
     saves' blocks, which that peak may include); ``plan``: ``plan_copies(entries, slab)`` if already made."""
     plan = plan or plan_copies(entries, slab)
-    pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
+    land: Callable[[], None] = _nothing
+    cloned_bytes = 0
+    if plan.gpu_sources:   # first: the GPU copies while the host pickles
+        device = plan.gpu_sources[0].device
+        layout = slab.layout
+        if _clones_fit(layout.gpu_bytes, device, training_peak):
+            land, cloned_bytes = _land_block(layout, plan, slab, device), layout.gpu_bytes
+        else:
+            _copy(plan.gpu_targets, plan.gpu_sources, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()   # the copies are queued on the current stream: the next step cannot change them first
+            land = copied.synchronize
     _copy(plan.cpu_targets, plan.cpu_sources)   # at the save's point: training changes these once the call returns
-    if not plan.gpu_sources:
-        return Snapshot(lambda: None, plan.staged, pickled, 0)
-    device = plan.gpu_sources[0].device
-    layout = slab.layout
-    if _clones_fit(layout.gpu_bytes, device, training_peak):
-        return Snapshot(_land_block(layout, plan.run_sources, slab, device), plan.staged, pickled, layout.gpu_bytes)
-    _copy(plan.gpu_targets, plan.gpu_sources, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()   # the copies are queued on the current stream: the next step cannot change them first
-    return Snapshot(copied.synchronize, plan.staged, pickled, 0)
+    pickled = {key: value if isinstance(value, Pickled) else Pickled.of(value) for key, value in blobs.items()}
+    return Snapshot(land, plan.staged, pickled, cloned_bytes)
+
+
+def _nothing() -> None:
+    pass
 
 
 def warm_block(plan: CopyPlan, slab: HostSlab, training_peak: Optional[int] = None) -> int:
@@ -101,23 +114,27 @@ def warm_block(plan: CopyPlan, slab: HostSlab, training_peak: Optional[int] = No
     device = plan.gpu_sources[0].device
     if not _clones_fit(slab.layout.gpu_bytes, device, training_peak):
         return 0
-    _fill_block(slab.layout, plan.run_sources, device)
+    _fill_block(slab.layout, plan, device)
     return slab.layout.gpu_bytes
 
 
-def _fill_block(layout: Layout, run_sources: List[List[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """One GPU block laid out as the slab's GPU range, filled with one ``cat`` per dtype run on the current stream."""
+def _fill_block(layout: Layout, plan: CopyPlan, device: torch.device) -> torch.Tensor:
+    """One GPU block laid out as the slab's GPU range, filled on the current stream: each run split into its tensors'
+    views and copied into with one ``_foreach_copy_`` (a few batched kernels; ``cat`` copies large inputs one
+    kernel each, 7 ms of launches for GPT-1.3B's 1168 tensors)."""
     block = torch.empty(layout.gpu_bytes, dtype=torch.uint8, device=device)
-    for run, sources in zip(layout.gpu_runs, run_sources):
-        torch.cat(sources, out=block[run.start:run.end].view(run.dtype))
+    for run, sources, sizes, shaped in zip(layout.gpu_runs, plan.run_sources, plan.run_sizes, plan.run_shaped):
+        targets = list(block[run.start:run.end].view(run.dtype).split(sizes))
+        for i in shaped:
+            targets[i] = targets[i].view(sources[i].shape)
+        _copy(targets, sources)
     return block
 
 
-def _land_block(layout: Layout, run_sources: List[List[torch.Tensor]], slab: HostSlab,
-                device: torch.device) -> Callable[[], None]:
+def _land_block(layout: Layout, plan: CopyPlan, slab: HostSlab, device: torch.device) -> Callable[[], None]:
     """Copy the GPU tensors into one GPU block (``_fill_block``) now; the returned function copies the block into the
     slab on a stream of its own and lets it go."""
-    held = [_fill_block(layout, run_sources, device)]
+    held = [_fill_block(layout, plan, device)]
     cloned = torch.cuda.Event()
     cloned.record()
 

@@ -12,33 +12,44 @@ again. The distributed optimizer's gathered views are new tensors at every save:
 
 from __future__ import annotations
 
-from typing import Any, Hashable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..models.sharding import persistent_buffers
 from .entries import Entry, Modules, as_list, current_ranks
 from .optimizer import ParamIndex
 from .sharded import Optimizers, collect_tensors
 
 
-def _tensor(tensor: torch.Tensor) -> Tuple[Any, ...]:
-    return id(tensor), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
+def _described(tensors: Iterable[torch.Tensor]) -> List[Tuple[Any, ...]]:
+    return [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
 
 
-def fingerprint(model_modules: Modules, optimizers: Optimizers = None) -> Hashable:
-    """What ``collect_tensors(model_modules, optimizers)`` depends on, cheaply (equal only if it would be equal)."""
+def fingerprint(model_modules: Modules, optimizers: Optimizers = None) -> List[Any]:
+    """What ``collect_tensors(model_modules, optimizers)`` depends on, cheaply (equal only if it would be equal):
+    the parallel positions, the names and tensors of every parameter and persistent buffer, each optimizer's
+    parameters in order, the keys of their state, and its tensors."""
     parts: List[Any] = [current_ranks()]
     for module in as_list(model_modules):
-        parts.append(tuple((name, _tensor(param)) for name, param in module.named_parameters()))
-        parts.append(tuple((name, _tensor(buffer)) for name, buffer in persistent_buffers(module)))
+        names, tensors = [], []
+        for path, sub in module.named_modules():   # one walk for parameters and persistent buffers
+            for name, tensor in sub._parameters.items():
+                names.append((path, name))
+                tensors.append(tensor)
+            for name, tensor in sub._buffers.items():
+                if name not in sub._non_persistent_buffers_set:
+                    names.append((path, name))
+                    tensors.append(tensor)
+        parts += [names, _described([tensor for tensor in tensors if tensor is not None]),
+                  [tensor is None for tensor in tensors]]
     for optimizer in as_list(optimizers):
-        state = optimizer.state
-        parts.append((id(optimizer), tuple(
-            (id(param), tuple((key, _tensor(value) if isinstance(value, torch.Tensor) else None)
-                              for key, value in state[param].items()) if param in state else ())
-            for group in optimizer.param_groups for param in group["params"])))
-    return tuple(parts)
+        states = list(optimizer.state.items())   # in the dict's order: no tensor hashing
+        values = [value for _, state in states for value in state.values()]
+        parts += [id(optimizer), [id(param) for group in optimizer.param_groups for param in group["params"]],
+                  [(id(param), list(state)) for param, state in states],
+                  _described([value for value in values if isinstance(value, torch.Tensor)]),
+                  [isinstance(value, torch.Tensor) for value in values]]
+    return parts
 
 
 class TensorCollector:
@@ -46,7 +57,7 @@ class TensorCollector:
     object then, which tells the caller that what it derived from it still holds."""
 
     def __init__(self) -> None:
-        self._fingerprint: Optional[Hashable] = None
+        self._fingerprint: Optional[List[Any]] = None
         self._collected: Optional[Tuple[List[Entry], ParamIndex]] = None
 
     def __call__(self, model_modules: Modules, optimizers: Optimizers = None) -> Tuple[List[Entry], ParamIndex]:

@@ -100,7 +100,8 @@ def test_reserve_warms_the_gpu_block_so_the_first_save_allocates_nothing_new(tmp
 
 def test_every_dtype_and_layout_lands_exactly_in_the_pinned_slab():
     """bf16, float32, int64 and bool tensors, a transposed (strided) one and an empty one, through the GPU block and
-    the one transfer to the pinned slab: each slab view equals its source."""
+    the one transfer to the pinned slab: each slab view equals its source; and again, changed in place, through the
+    same copy plan (a later save reuses it: it must read the tensors, not copies made when it was planned)."""
     from lightning_megatron.checkpoint.entries import Entry
     from lightning_megatron.checkpoint.placement import Ranks, placement_of
 
@@ -111,11 +112,18 @@ def test_every_dtype_and_layout_lands_exactly_in_the_pinned_slab():
     entries = [Entry(key, placement_of(tensor, Ranks()), [tensor]) for key, tensor in sources.items()]
     slab = stage_module.slab_for(entries, None)
     assert slab.pinned and slab.bytes.is_pinned()
-    snapshot = stage_module.to_host(entries, {}, slab)
-    assert snapshot.cloned_bytes == slab.layout.gpu_bytes > 0
-    snapshot.land()
-    for key, source in sources.items():
-        assert torch.equal(slab.view(key), source.cpu()), key
+    plan = stage_module.plan_copies(entries, slab)
+    for _ in range(2):
+        snapshot = stage_module.to_host(entries, {}, slab, plan=plan)
+        assert snapshot.cloned_bytes == slab.layout.gpu_bytes > 0
+        snapshot.land()
+        for key, source in sources.items():
+            assert torch.equal(slab.view(key), source.cpu()), key
+        for key, source in sources.items():
+            if source.dtype == torch.bool:
+                source.logical_not_()
+            else:
+                source.add_(1)
     slab.close()
 
 
@@ -137,7 +145,9 @@ def _fit_on_gpus(folder, background, resume_from=None):
 def _background_then_resume(root):
     import os
 
+    world = os.environ["WORLD_SIZE"]
     background = _fit_on_gpus(os.path.join(root, "background"), True)
+    os.environ["WORLD_SIZE"] = world   # Lightning's teardown of the process group it made took it away
     resumed = _fit_on_gpus(os.path.join(root, "resumed"), False, os.path.join(root, "background", "step=2.ckpt"))
     return background, resumed
 
