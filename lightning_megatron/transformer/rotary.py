@@ -151,6 +151,19 @@ class RotaryEmbedding(nn.Module):
         self.dynamic = kind == "dynamic"
         self._cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
+        """Move the frequencies with the module (``.to(device)``, ``.cuda()``) but never cast them: float32 always.
+        Left on the CPU, a compiled layer copies them to the GPU at every call, and that copy (from pageable memory)
+        makes the host wait for the GPU's queue."""
+        for name in ("inv_freq", "long_inv_freq"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                device = fn(tensor[:0]).device   # fn on an empty view: only where it puts a tensor
+                if device.type != "meta":        # values are kept (to_empty later finds them)
+                    setattr(self, name, tensor.to(device))
+        self._cache = {}
+        return super()._apply(fn, recurse)
+
     def _frequencies(self, positions: torch.Tensor, length: Optional[int]) -> torch.Tensor:
         """The inverse frequencies on ``positions``' device; LongRoPE's long ones when the positions reach past the
         original context (``length``: the sequence's, else the largest position's, chosen on the device)."""

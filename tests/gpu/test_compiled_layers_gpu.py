@@ -65,3 +65,42 @@ def test_compiled_tp2_sp_equals_eager_float32():
         assert losses == pytest.approx(eager_losses, rel=2e-5)
         for name, grad in eager_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _host_copies_in_a_step():
+    """Copies from the host to the GPU in one profiled step of a compiled model (after two warm-up steps), and where
+    the rotary frequencies live."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+    from lightning_megatron.transformer.compile import compile_layers
+    from lightning_megatron.transformer.rotary import RotaryEmbedding
+
+    torch.cuda.set_device(0)
+    state = ParallelState(ParallelLayout(1)).activate()
+    model = _llama(torch.float32)
+    compile_layers(model)
+    ids = torch.randint(0, 1024, (4, 128), device="cuda")
+
+    def step():
+        model(ids, labels=ids).float().mean().backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    copies = [event.name for event in prof.events() if "HtoD" in event.name]
+    devices = {module.inv_freq.device.type for module in model.modules() if isinstance(module, RotaryEmbedding)}
+    state.destroy()
+    return copies, devices
+
+
+def test_a_compiled_layer_copies_nothing_from_the_host_per_step():
+    """The rotary frequencies move to the GPU with the model (``.cuda()``), so the compiled layers do not copy them
+    from pageable host memory at every call: such a copy makes the host wait for the GPU's queue, which leaves the
+    GPU idle while the host catches up (the TP2 profile's idle gaps)."""
+    copies, devices = run_on_ranks(_host_copies_in_a_step, 1, backend="nccl", timeout=600)[0]
+    assert devices == {"cuda"}
+    assert copies == []
