@@ -385,9 +385,9 @@ MUTATIONS: List[Mutation] = [
              ci=False),
     # checkpoints: background saves write a snapshot; checksums are checked
     Mutation("background-save-without-snapshot", "lightning_megatron/checkpoint/stage.py",
-             "    copy_cpu()   # at the save's point: training changes these tensors once the call returns\n"
-             "    if not on_gpu:\n        return Snapshot(lambda: None,",
-             "    if not on_gpu:\n        return Snapshot(copy_cpu,",
+             "    _copy(plan.cpu_targets, plan.cpu_sources)   # at the save's point: training changes these once the "
+             "call returns\n",
+             "    land = (lambda: _copy(plan.cpu_targets, plan.cpu_sources)) if not plan.gpu_sources else land\n",
              (f"{STRATEGY}/test_background_save.py::test_background_saves_resume_like_synchronous_ones_bit_for_bit",),
              ci=False),
     Mutation("background-save-buffers-not-reserved", "lightning_megatron/adapter/checkpoint_hooks.py",
@@ -395,8 +395,8 @@ MUTATIONS: List[Mutation] = [
              (f"{STRATEGY}/test_background_save.py::test_the_host_buffers_are_made_after_the_first_optimizer_step_"
               "not_at_the_first_save",), ci=False),
     Mutation("background-save-cache-ignores-storage", "lightning_megatron/checkpoint/tensor_cache.py",
-             "    return id(tensor), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype",
-             "    return id(tensor), tensor.shape, tensor.stride(), tensor.dtype",
+             "    return [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]",
+             "    return [(id(t), t.shape, t.stride(), t.dtype) for t in tensors]",
              ("tests/unit/checkpoint/test_tensor_cache.py::test_a_background_save_after_param_data_was_swapped_writes_"
               "the_new_tensor",), ci=False),
     Mutation("pipeline-shape-learned-from-mixed-shapes", "lightning_megatron/engine/activation_shapes.py",
