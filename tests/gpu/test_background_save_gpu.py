@@ -127,34 +127,20 @@ def test_every_dtype_and_layout_lands_exactly_in_the_pinned_slab():
     slab.close()
 
 
-def _fit_on_gpus(folder, background, resume_from=None):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-    from helpers.strategy_utils import fit_tiny_gpt
-
-    options = dict(enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=1,
-                                                                         save_top_k=-1, filename="{step}")])
-    if background:
-        options["plugins"] = [AsyncCheckpointIO()]
-    return fit_tiny_gpt(dict(tensor_model_parallel_size=2), max_steps=5, dataset_size=32,
-                        module_kwargs=dict(dropout=0.1), trainer_kwargs=options, resume_from=resume_from,
-                        accelerator="gpu")["losses"]
-
-
 def _background_then_resume(root):
     import os
 
-    world = os.environ["WORLD_SIZE"]
-    background = _fit_on_gpus(os.path.join(root, "background"), True)
-    os.environ["WORLD_SIZE"] = world   # Lightning's teardown of the process group it made took it away
-    resumed = _fit_on_gpus(os.path.join(root, "resumed"), False, os.path.join(root, "background", "step=2.ckpt"))
+    from helpers.strategy_utils import fit_saving_every_step
+
+    background = fit_saving_every_step(os.path.join(root, "background"), 5, True, accelerator="gpu")
+    resumed = fit_saving_every_step(os.path.join(root, "resumed"), 5, False,
+                                    os.path.join(root, "background", "step=2.ckpt"), accelerator="gpu")
     return background, resumed
 
 
 def test_background_saves_on_two_gpus_resume_exactly(tmp_path):
-    """TP2 on two GPUs (NCCL for training, the writing processes' own gloo group for the saves), a save every step
-    in the background: every folder is complete and a run resumed from step 2's goes on exactly like the run that
+    """TP2 on two GPUs (NCCL for training, the writing processes' own gloo group for the saves), AdamW, dropout, a
+    save every step in the background: every folder is complete and a run resumed from step 2's goes on exactly like the run that
     saved it."""
     from lightning_megatron.checkpoint import is_checkpoint
     from lightning_megatron.testing import run_on_ranks

@@ -105,6 +105,35 @@ def fit_tiny_gpt(strategy_kwargs, global_batch_size=8, max_steps=4, trainer_kwar
             "probe": getattr(module, "sums", None)}
 
 
+class AdamGPT(TinyGPT):
+    """TinyGPT with AdamW: checkpoints then hold optimizer state (moments and step counts), not just weights."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_saving_every_step(folder, max_steps, background, resume_from=None, callbacks=(), keep=-1, accelerator="cpu"):
+    """TP2 ``AdamGPT`` with dropout, a ``ModelCheckpoint`` into ``folder`` at every step (``keep``: its
+    ``save_top_k``), written in the background (``AsyncCheckpointIO``) or not; the losses. Restores ``WORLD_SIZE``,
+    which Lightning's teardown of a process group it made takes away, so a second fit can follow."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    world = os.environ["WORLD_SIZE"]
+    every_step = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=keep, filename="{step}")
+    options = dict(enable_checkpointing=True, callbacks=[every_step, *callbacks])
+    if background:
+        options["plugins"] = [AsyncCheckpointIO()]
+    try:
+        return fit_tiny_gpt(dict(tensor_model_parallel_size=2), max_steps=max_steps, dataset_size=32,
+                            module_cls=AdamGPT, module_kwargs=dict(dropout=0.1), trainer_kwargs=options,
+                            resume_from=resume_from, accelerator=accelerator)["losses"]
+    finally:
+        os.environ["WORLD_SIZE"] = world
+
+
 class TinyGPTWithAccuracy(TinyGPT):
     """Adds a torchmetrics next-token accuracy over the validation set."""
 

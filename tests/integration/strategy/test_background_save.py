@@ -8,37 +8,18 @@ import signal
 import time
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_megatron.checkpoint import is_checkpoint, read_full_state_dict, writer_process
 from lightning_megatron.testing import MultiRankError, run_on_ranks
 from helpers.checkpoint_utils import assert_same
 from helpers.fault_runs import alive
-from helpers.strategy_utils import TinyGPT, fit_tiny_gpt
+from helpers.strategy_utils import fit_saving_every_step
 
 TP2 = dict(tensor_model_parallel_size=2)
 
 
-class AdamGPT(TinyGPT):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def _fit(folder, max_steps, background, resume_from=None, callbacks=(), keep=-1):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-    world = os.environ["WORLD_SIZE"]
-    every_step = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=keep, filename="{step}")
-    options = dict(enable_checkpointing=True, callbacks=[every_step, *callbacks])
-    if background:
-        options["plugins"] = [AsyncCheckpointIO()]
-    try:
-        return fit_tiny_gpt(TP2, max_steps=max_steps, dataset_size=32, module_cls=AdamGPT,
-                            module_kwargs=dict(dropout=0.1), trainer_kwargs=options, resume_from=resume_from)["losses"]
-    finally:
-        os.environ["WORLD_SIZE"] = world
+_fit = fit_saving_every_step
 
 
 def _say_who_writes(root):

@@ -12,7 +12,7 @@ import torch
 import lightning_megatron
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.testing import run_on_ranks
-from helpers.strategy_utils import TinyGPT, TokenData, fit_tiny_gpt, validate_tiny_gpt
+from helpers.strategy_utils import AdamGPT, TinyGPT, TokenData, fit_tiny_gpt, validate_tiny_gpt
 from torch.utils.data import DataLoader
 
 
@@ -197,11 +197,6 @@ def test_model_checkpoint_keeps_top_k_sharded_folders(tmp_path):
     assert all(is_checkpoint(str(tmp_path / "ckpts" / n)) for n in names)
     assert not any(n.endswith(".incomplete") for n in names)
     assert os.path.basename(best) in names
-
-
-class AdamGPT(TinyGPT):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def _interrupted(kwargs, folder):
