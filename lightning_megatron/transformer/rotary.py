@@ -138,7 +138,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        # a plain float32 CPU tensor, not a buffer: ``model.to(torch.bfloat16)`` must not round it
+        # a plain float32 tensor, not a buffer: ``model.to(torch.bfloat16)`` must not round it (``_apply``)
         self.inv_freq = rope_inverse_frequencies(rotary_dim, base, scaling)
         self.attention_factor = rope_attention_factor(scaling)   # YaRN and LongRoPE scale cos and sin; 1 otherwise
         scaling = scaling or {}
@@ -150,27 +150,30 @@ class RotaryEmbedding(nn.Module):
                                                 if kind in ("longrope", "dynamic") else None)
         self.dynamic = kind == "dynamic"
         self._cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._move_frequencies(torch.get_default_device())   # a model built under ``with torch.device("cuda")``
 
     def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
-        """Move the frequencies with the module (``.to(device)``, ``.cuda()``) but never cast them: float32 always.
-        Left on the CPU, a compiled layer copies them to the GPU at every call, and that copy (from pageable memory)
-        makes the host wait for the GPU's queue."""
-        for name in ("inv_freq", "long_inv_freq"):
-            tensor = getattr(self, name)
-            if tensor is not None:
-                device = fn(tensor[:0]).device   # fn on an empty view: only where it puts a tensor
-                if device.type != "meta":        # values are kept (to_empty later finds them)
-                    setattr(self, name, tensor.to(device))
-        self._cache = {}
+        """Move the frequencies with the module (``.to(device)``, ``.cuda()``, ``to_empty``) but never cast them:
+        float32 always."""
+        self._move_frequencies(fn(self.inv_freq[:0]).device)   # fn on an empty view: only where it puts a tensor
         return super()._apply(fn, recurse)
+
+    def _move_frequencies(self, device: torch.device) -> None:
+        """Keep the frequencies where the module's tensors are: left on the CPU, a compiled layer copies them to the
+        GPU at every call, and that copy (from pageable memory) makes the host wait for the GPU's queue. Never to
+        ``meta`` (their values are kept for ``to_empty``)."""
+        if device.type == "meta":
+            return
+        self.inv_freq = self.inv_freq.to(device)
+        if self.long_inv_freq is not None:
+            self.long_inv_freq = self.long_inv_freq.to(device)
+        self._cache = {}
 
     def _frequencies(self, positions: torch.Tensor, length: Optional[int]) -> torch.Tensor:
         """The inverse frequencies on ``positions``' device; LongRoPE's long ones when the positions reach past the
         original context (``length``: the sequence's, else the largest position's, chosen on the device)."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq.to(positions.device)   # already there when the module moved with its model
         long = None if self.long_inv_freq is None else self.long_inv_freq.to(positions.device)
-        if not torch.compiler.is_compiling():   # kept on the device; a compiled graph moves its own copies
-            self.inv_freq, self.long_inv_freq = inv_freq, long
         if long is None:
             return inv_freq
         assert self.original_context is not None   # set with long_inv_freq

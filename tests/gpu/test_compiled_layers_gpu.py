@@ -67,9 +67,9 @@ def test_compiled_tp2_sp_equals_eager_float32():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def _host_copies_in_a_step():
+def _host_copies_in_a_step(built_on_gpu):
     """Copies from the host to the GPU in one profiled step of a compiled model (after two warm-up steps), and where
-    the rotary frequencies live."""
+    the rotary frequencies live; the model moved with ``.cuda()`` or built under ``with torch.device("cuda")``."""
     from torch.profiler import ProfilerActivity, profile
 
     from lightning_megatron.parallel import ParallelLayout, ParallelState
@@ -78,7 +78,13 @@ def _host_copies_in_a_step():
 
     torch.cuda.set_device(0)
     state = ParallelState(ParallelLayout(1)).activate()
-    model = _llama(torch.float32)
+    if built_on_gpu:
+        from lightning_megatron.models import LlamaModel, llama_config
+
+        with torch.device("cuda"):
+            model = LlamaModel(llama_config(4, 256, 8, num_query_groups=4, ffn_hidden_size=512), 1024, 128)
+    else:
+        model = _llama(torch.float32)
     compile_layers(model)
     ids = torch.randint(0, 1024, (4, 128), device="cuda")
 
@@ -97,10 +103,11 @@ def _host_copies_in_a_step():
     return copies, devices
 
 
-def test_a_compiled_layer_copies_nothing_from_the_host_per_step():
+@pytest.mark.parametrize("built_on_gpu", [False, True])
+def test_a_compiled_layer_copies_nothing_from_the_host_per_step(built_on_gpu):
     """The rotary frequencies move to the GPU with the model (``.cuda()``), so the compiled layers do not copy them
     from pageable host memory at every call: such a copy makes the host wait for the GPU's queue, which leaves the
     GPU idle while the host catches up (the TP2 profile's idle gaps)."""
-    copies, devices = run_on_ranks(_host_copies_in_a_step, 1, backend="nccl", timeout=600)[0]
+    copies, devices = run_on_ranks(_host_copies_in_a_step, 1, built_on_gpu, backend="nccl", timeout=600)[0]
     assert devices == {"cuda"}
     assert copies == []

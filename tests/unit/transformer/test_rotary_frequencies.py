@@ -45,3 +45,23 @@ def test_the_frequencies_follow_a_device_move_and_keep_their_values_through_meta
     assert model.weight.is_meta and not model.rotary.inv_freq.is_meta   # values a meta tensor would lose
     model.to_empty(device="cpu")
     assert torch.equal(model.rotary.inv_freq, short) and torch.equal(model.rotary.long_inv_freq, long)
+
+
+def test_a_model_built_under_a_device_context_has_its_frequencies_there():
+    with torch.device("meta"):
+        on_meta = RotaryEmbedding(8)
+    assert not on_meta.inv_freq.is_meta   # meta would lose the values: they stay where they were made
+    default = torch.get_default_device()
+    moved = []
+    original = RotaryEmbedding._move_frequencies
+
+    def recording(self, device):
+        moved.append(torch.device(device).type)
+        return original(self, device)
+
+    RotaryEmbedding._move_frequencies = recording
+    try:
+        RotaryEmbedding(8)
+    finally:
+        RotaryEmbedding._move_frequencies = original
+    assert moved == [default.type]
