@@ -4,7 +4,7 @@ One engine serves the schedules, since ``schedule_steps`` already says what runs
 no pipelining (``pp_size == 1``: F,B,F,B... = gradient accumulation), 1F1B (one chunk),
 interleaved 1F1B (several chunks) and zero-bubble 1F1B (``schedule="zb-h1"``, ``zero_bubble.py``:
 a backward computes input gradients only, and a later weight step the weight gradients its
-forward's deferring linears left in the micro-batch's queue, ``tensor_parallel/deferred_wgrad.py``).
+deferring linears left in the micro-batch's queue, ``tensor_parallel/deferred_wgrad.py``).
 ``comm_plan`` pairs every send with its receive, so the
 engine just walks its rounds: run the round's step, then exchange with the neighbours.
 
@@ -219,7 +219,7 @@ class _Run:
         self.inputs: Dict[ChunkMicrobatch, torch.Tensor] = {}   # received, until forward/backward
         self.grads: Dict[ChunkMicrobatch, torch.Tensor] = {}    # received, until backward
         self.outputs: Dict[ChunkMicrobatch, torch.Tensor] = {}  # forward results, until backward
-        # zero-bubble: per micro-batch, the weight gradients its backward left (from forward to weight step)
+        # zero-bubble: per micro-batch, the weight gradients its backward left (from backward to weight step)
         self.weight_grads: Optional[Dict[ChunkMicrobatch, WeightGradQueue]] = {} if zero_bubble else None
         self.output = PipelineOutput()
 
@@ -228,15 +228,15 @@ class _Run:
         key = (step.chunk, step.microbatch)
         stage = virtual_stage(self.pp_size, self.pp_rank, step.chunk)
         if step.is_forward:
-            if self.weight_grads is not None:
-                with collect_weight_grads(self.weight_grads.setdefault(key, WeightGradQueue())):
-                    return self._forward(key, stage)
             with torch.no_grad() if self.forward_only else nullcontext():
                 return self._forward(key, stage)
         if step.is_weight:
             assert self.weight_grads is not None, "a weight step outside the zero-bubble schedule"
             self.weight_grads.pop(key).run()
             return None
+        if self.weight_grads is not None:
+            with collect_weight_grads(self.weight_grads.setdefault(key, WeightGradQueue())):
+                return self._backward(key, stage)
         return self._backward(key, stage)
 
     def _forward(self, key: ChunkMicrobatch, stage: int) -> Optional[torch.Tensor]:

@@ -5,28 +5,37 @@ weight-gradient GEMMs where the stage would otherwise wait (``pipeline/zero_bubb
 split, for the column- and row-parallel linears (the bulk of a layer's weight FLOPs):
 
 - ``enable_deferred_weight_grads(module)`` marks a model's linears (idempotent; the executor does it for
-  the zero-bubble schedule). A marked linear behaves as before except inside ``collect_weight_grads``.
-- A forward run inside ``collect_weight_grads(queue)`` binds each marked linear to ``queue``; its backward
-  then computes the input (and bias) gradient only and leaves ``(weight, input, output gradient)`` in it.
+  the zero-bubble schedule). A marked linear computes, in its backward, the input (and bias) gradient only.
+- Its backward run inside ``collect_weight_grads(queue)`` (the executor's ``B`` step of a micro-batch) leaves
+  ``(weight, input, output gradient)`` in ``queue``; run outside any, the weight gradient is accumulated at
+  once, as autograd would (a marked model trained by another loop loses nothing).
 - ``queue.run()`` (the ``W`` step) computes each ``dW = grad_outputᵀ · input`` as autograd would and
   hands it to autograd as the weight's gradient: it lands in ``.grad`` (or ``main_grad``, through the
   buffers' hooks) and fires the same post-accumulate hooks, so overlapped data-parallel reduction starts
   when the weight's last ``W`` runs, not at its ``B``.
 
+The queue is the one active when the backward runs, not when the forward ran: a layer recomputed inside ``B``
+(activation recompute) defers too, and the queue is a process-wide stack, not a context variable, because
+autograd runs a CUDA backward on its own thread.
+
 Deferred: the weights of ``ColumnParallelLinear`` / ``RowParallelLinear`` called with their own weight.
 Not deferred (computed in ``B`` as usual): biases, norms, embeddings, the output layer, expert weights
-indexed per expert, a weight all-gathered before use (grouped-query kv shared over tp), anything under
-activation recomputation (its forward runs again inside ``B``, outside any queue) and float8 matmuls.
+indexed per expert, a weight all-gathered before use (grouped-query kv shared over tp) and float8 matmuls.
+
+Under ``torch.compile`` (compiled layers) a marked linear is traced into the layer's graph, not a graph
+break: its backward hands its operands over through a side-effecting custom op
+(``lightning_megatron::defer_weight_grad``), which copies them, since inductor may reuse an intermediate's memory
+once its last op in the graph has run. The copies cost one read and write of each operand (the eager path keeps
+the tensors themselves); the parameter is found again from the weight the graph passes (``_owner``).
 
 Memory: each deferred linear keeps its input and its output gradient from ``B`` until ``W`` (the input
-is what its backward saved anyway; under sequence parallelism that is the all-gathered input). Under
-``torch.compile`` a marked linear is a graph break (its queue is Python state), as the collectives are.
+is what its backward saved anyway; under sequence parallelism that is the all-gathered input).
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -70,17 +79,31 @@ def weight_grad(inp: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(flat)
 
 
-_QUEUE: ContextVar[Optional[WeightGradQueue]] = ContextVar("weight_grad_queue", default=None)
+# The B step's queue, innermost last: a plain list, read on autograd's threads too (see the module doc).
+_ACTIVE: List[WeightGradQueue] = []
 
 
 @contextmanager
 def collect_weight_grads(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
-    """Marked linears whose forward runs inside leave their weight gradients in ``queue``."""
-    token = _QUEUE.set(queue)
+    """Marked linears whose backward runs inside leave their weight gradients in ``queue``."""
+    _ACTIVE.append(queue)
     try:
         yield queue
     finally:
-        _QUEUE.reset(token)
+        _ACTIVE.pop()
+
+
+def hand_over(weight: torch.Tensor, inp: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """A marked linear's backward gives its weight-gradient operands: to the active queue, or, with none,
+    accumulated now through autograd (a re-entrant backward, as ``W`` runs it)."""
+    if _ACTIVE:
+        _ACTIVE[-1].add(weight, inp, grad_output)
+    else:
+        torch.autograd.backward(weight, weight_grad(inp, grad_output).to(weight.dtype))
+
+
+# data address of a marked linear's weight -> the parameter (the compiled path passes the graph's alias of it)
+_OWNERS: Dict[int, "weakref.ReferenceType[torch.Tensor]"] = {}
 
 
 def enable_deferred_weight_grads(module: nn.Module) -> int:
@@ -90,49 +113,117 @@ def enable_deferred_weight_grads(module: nn.Module) -> int:
     for layer in module.modules():
         if isinstance(getattr(layer, "defer_weight_grad", None), bool):
             setattr(layer, "defer_weight_grad", True)
+            weight = getattr(layer, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                _OWNERS[weight.data_ptr()] = weakref.ref(weight)
             marked += 1
     return marked
 
 
-@eager_under_compile   # a graph break: the queue is Python state (torch._dynamo is imported only when compiling)
+def _owner(weight: torch.Tensor) -> torch.Tensor:
+    """The parameter ``weight`` is (eager) or aliases (compiled: the graph's detached copy of it)."""
+    if weight.is_leaf and weight.requires_grad:
+        return weight
+    ref = _OWNERS.get(weight.data_ptr())
+    param = None if ref is None else ref()
+    if param is None or param.shape != weight.shape or param.data_ptr() != weight.data_ptr():
+        raise RuntimeError(f"a deferring linear's weight (shape {tuple(weight.shape)}) is not a parameter "
+                           f"enable_deferred_weight_grads marked (or it moved since): call it again on the model "
+                           f"after moving it.")
+    return param
+
+
+@torch.library.custom_op("lightning_megatron::defer_weight_grad", mutates_args=())
+def _defer_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
+    """The compiled backward's hand-over (copies: inductor may reuse the graph's buffers once this returns)."""
+    hand_over(_owner(weight), inp.clone(), grad_output.clone())
+
+
+@_defer_weight_grad.register_fake
+def _(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
+    return None
+
+
+# it returns nothing: without this, dead-code elimination drops it from the backward graph
+torch.fx.node.has_side_effect(torch.ops.lightning_megatron.defer_weight_grad.default)
+
+
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; inside ``collect_weight_grads`` with autograd on, its weight gradient
-    waits in the queue.
+    """``F.linear(x, weight, bias)`` whose weight gradient, with autograd on, is handed over by its backward
+    (``hand_over``: to the ``W`` step's queue).
+
+    Compiled, it is traced into the graph when the output is in the autograd graph through ``x`` or the bias
+    (always, in a transformer layer); a frozen input takes the eager path as a graph break.
+    """
+    if not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        b = None if bias is None else in_autocast_dtype(bias, x)
+        return _TracedDeferredLinear.apply(in_autocast_dtype(x, x), in_autocast_dtype(weight.detach(), x), b,
+                                           weight.detach())
+    return _eager_deferrable_linear(x, weight, bias)
+
+
+@eager_under_compile   # a frozen input under compile: the throwaway leaf below is made eagerly
+def _eager_deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The eager deferring linear.
 
     The weight is no input of the autograd graph (it travels in a tuple): a backward that reached its
     accumulator with no gradient would still fire its post-accumulate hooks (which add ``.grad`` into the
     buffers). When nothing else of the call needs a gradient (a frozen first layer), a throwaway leaf keeps
-    the output in the graph, so ``B`` still hands the weight's work to the queue.
+    the output in the graph, so ``B`` still hands the weight's work over.
     """
-    queue = _QUEUE.get()
-    if queue is None or not torch.is_grad_enabled() or not weight.requires_grad:
-        return F.linear(x, weight, bias)
     anchor = None
     if not (x.requires_grad or (bias is not None and bias.requires_grad)):
         anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _DeferredWeightLinear.apply(x, bias, anchor, (weight, queue))
+    return _DeferredWeightLinear.apply(x, bias, anchor, (weight,))
+
+
+def _input_and_bias_grads(ctx: Any, grad: torch.Tensor, w: torch.Tensor, x_index: int, bias_index: int
+                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``g·W`` and the sum of ``g`` over tokens, as autograd forms them for ``F.linear``."""
+    flat = grad.reshape(-1, grad.shape[-1])
+    grad_x = flat.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[x_index] else None
+    grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[bias_index] else None
+    return grad_x, grad_b
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
-    """``F.linear`` whose backward gives the input and bias gradients as autograd forms them (``g·W`` and the
-    sum of ``g`` over tokens) and leaves ``(weight, input, g)`` in the queue."""
+    """``F.linear`` whose backward gives the input and bias gradients and hands ``(weight, input, g)`` over."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
-                target: Tuple[torch.Tensor, WeightGradQueue]) -> torch.Tensor:
-        weight, queue = target
+                target: Tuple[torch.Tensor]) -> torch.Tensor:
+        weight, = target
         # multiply in what F.linear would under autocast (dW is cast back in W)
         w, b = in_autocast_dtype(weight, x), None if bias is None else in_autocast_dtype(bias, x)
         x = in_autocast_dtype(x, x)
         ctx.save_for_backward(x, w)
-        ctx.weight, ctx.queue, ctx.has_bias = weight, queue, bias is not None
+        ctx.weight, ctx.has_bias = weight, bias is not None
         return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         x, w = ctx.saved_tensors
-        flat = grad.reshape(-1, grad.shape[-1])
-        grad_x = flat.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
-        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
-        ctx.queue.add(ctx.weight, x, grad)
+        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 1)
+        hand_over(ctx.weight, x, grad)
         return grad_x, grad_b, None, None
+
+
+class _TracedDeferredLinear(torch.autograd.Function):
+    """The same under ``torch.compile``: ``w`` is the (cast) weight detached, ``weight`` the parameter's detached
+    alias that names it to ``_owner``; the hand-over is the custom op, so the backward stays one graph."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        x, w, weight = ctx.saved_tensors
+        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 2)
+        torch.ops.lightning_megatron.defer_weight_grad(x, grad, weight)
+        return grad_x, None, grad_b, None

@@ -52,23 +52,22 @@ def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any
 
 
 def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int = 1,
-                           cuda_graph: Optional[str] = None,
-                           pipeline_schedule: str = "1f1b") -> Optional[Dict[str, Any]]:
+                           cuda_graph: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """The ``torch.compile`` keywords to compile the layers with, or None (eager).
 
     ``"auto"`` compiles where it is measured faster and checked on GPUs: CUDA at context-parallel size 1 without
     the full-iteration CUDA graph (see benchmarks/RESULTS.md; tensor parallelism included: its collectives stay
     eager, tensor_parallel/mappings.py); elsewhere it runs eagerly. On the CPU it does not compile (compiling costs
-    more than it saves for the CPU's tiny test models). Nor under ``pipeline_schedule="zb-h1"``: each deferred
-    linear is a graph break there, and the fragmented layers measured 1.5x slower than eager ones (2x H200).
-    Asked for explicitly on CUDA where GPUs have not confirmed it (cp > 1; ``cuda_graph="full"``: the capture
+    more than it saves for the CPU's tiny test models). Under ``pipeline_schedule="zb-h1"`` too: the deferring
+    linears are traced into the layers' graphs (``tensor_parallel/deferred_wgrad.py``; compiled ZB-H1 measured
+    1.16x eager ZB-H1 at PP2 on 2x H200). Asked for explicitly on CUDA where GPUs have not confirmed it (cp > 1; ``cuda_graph="full"``: the capture
     failed), it is refused with the fix; the CPU (gloo) runs those layouts compiled and equal to eager (the tests)."""
     value = check_compile_layers(value)
     on_cuda = device.type == "cuda"
     unconfirmed = [what for what, bad in (("context_parallel_size > 1", cp > 1),
                                           ("cuda_graph='full'", cuda_graph == "full")) if bad]
     if value == "auto":
-        return {} if on_cuda and not unconfirmed and pipeline_schedule != "zb-h1" else None
+        return {} if on_cuda and not unconfirmed else None
     if value is False:
         return None
     if on_cuda and unconfirmed:
@@ -123,10 +122,10 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
 
 
 def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
-                         cuda_graph: Optional[str] = None, pipeline_schedule: str = "1f1b") -> int:
+                         cuda_graph: Optional[str] = None) -> int:
     """The strategy's ``compile_layers`` switch on ``model`` for ``device`` and the layout (see
     :func:`resolve_compile_layers`): how many layers it compiled."""
-    kwargs = resolve_compile_layers(setting, device, cp, cuda_graph, pipeline_schedule)
+    kwargs = resolve_compile_layers(setting, device, cp, cuda_graph)
     return 0 if kwargs is None else compile_layers(model, **kwargs)
 
 

@@ -27,8 +27,6 @@ def test_auto_compiles_on_cuda_where_gpus_confirmed_it():
     assert resolve_compile_layers(None, cuda) == {}
     assert resolve_compile_layers("auto", cuda, cp=2) is None
     assert resolve_compile_layers("auto", cuda, cuda_graph="full") is None
-    assert resolve_compile_layers("auto", cuda, pipeline_schedule="zb-h1") is None   # graph breaks: 1.5x slower
-    assert resolve_compile_layers(True, cuda, pipeline_schedule="zb-h1") == {}
     assert resolve_compile_layers("auto", cuda, cuda_graph="partial") == {}
     assert resolve_compile_layers(True, cpu, cp=2, cuda_graph="full") == {}   # the CPU runs them (tests)
     assert resolve_compile_layers(False, cuda) is None
