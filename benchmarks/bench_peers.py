@@ -2,7 +2,8 @@
 
 - ``ours`` / ``ours-compiled``: ``LlamaModel`` through ``Trainer(strategy=MegatronStrategy(...))`` with
   ``compile_layers=False`` / ``True``; ``ours-overlap`` / ``ours-compiled-overlap`` with ``tp_comm_overlap=True``
-  too (``--tp`` >= 2);
+  too (``--tp`` >= 2); ``ours-fp8`` / ``ours-compiled-fp8`` with ``fp8="tensorwise"`` (torchao's float8 linears;
+  emulated on the CPU);
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
@@ -220,8 +221,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     if ours:
         from lightning_megatron import MegatronStrategy
 
+        fp8 = None
+        if name.endswith("fp8"):
+            from lightning_megatron.quantization.float8 import Float8Config
+
+            fp8 = Float8Config("tensorwise", emulate=not cuda)
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
-                                    tp_comm_overlap=name.endswith("overlap"),
+                                    tp_comm_overlap=name.endswith("overlap"), fp8=fp8,
                                     micro_batch_size=args.micro_batch, compile_layers=compiled,
                                     use_distributed_optimizer=dp > 1, overlap_grad_reduce=dp > 1)
         batch = per_rank
