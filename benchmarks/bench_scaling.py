@@ -16,6 +16,7 @@ per-micro-batch stage compute, the slowest stage's, times (m + p - 1) - the bubb
     python benchmarks/bench_scaling.py --gpus 2                   # every configuration for 2 GPUs, then tables
     python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe, balance
     python benchmarks/bench_scaling.py --gpus 2 --tiny --accelerator cpu   # dry run of the machinery (gloo)
+    BENCH_SCALING_GAPS=1 python benchmarks/bench_scaling.py --gpus 2 --only llama-pp2-m8   # + each rank's idle gaps
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from timing import gpu_busy_ms   # benchmarks/timing.py (this folder is on sys.path when run as a script)
+from timing import gpu_busy_ms, idle_gaps   # benchmarks/timing.py (this folder is on sys.path when run as a script)
 
 NOMINAL_PEAK = 790e12
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
@@ -192,6 +193,8 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                 torch.cuda.synchronize()
                 marks["profiler"].__exit__(None, None, None)
                 marks["compute_ms"] = gpu_busy_ms(marks["profiler"], PROFILED, skip=("nccl",))
+                if os.environ.get("BENCH_SCALING_GAPS") == "1":   # where each rank's GPU waits, per step
+                    marks["gaps"] = idle_gaps(marks["profiler"], PROFILED, at_least_us=100.0)
 
     strategy = MegatronStrategy(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                 virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
@@ -213,12 +216,14 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                         enable_model_summary=False, callbacks=[Clock()])
     trainer.fit(Module(), data)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, marks.get("compute_ms"))
+    dist.all_gather_object(gathered, (marks.get("compute_ms"), marks.get("gaps")))
+    gathered, gaps = [c for c, _ in gathered], [g for _, g in gathered]
     if trainer.is_global_zero:
         chunk = trainer.lightning_module.model.chunks[0]
         result = {"layout": dataclasses.asdict(layout), "step_s": (marks["end"] - marks["start"]) / STEPS,
                   "pipeline_layout": list(chunk.pipeline_layout),
                   "compute_ms_per_rank": gathered,
+                  **({"idle_gaps_per_rank": gaps} if any(g is not None for g in gaps) else {}),
                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                   "final_loss": float(trainer.callback_metrics["train_loss"])}
         with open(out_path, "w") as f:
@@ -252,6 +257,8 @@ def launch(layout: Layout, args, out_path: str) -> Optional[dict]:
     with open(out_path) as f:
         result = json.load(f)
     print(f"{layout.name}: {result['step_s'] * 1e3:.1f} ms/step ({time.perf_counter() - start:.0f} s)", flush=True)
+    for rank, gaps in enumerate(result.get("idle_gaps_per_rank") or []):
+        print(f"{layout.name} rank {rank} idle: {json.dumps(gaps)}", flush=True)
     return result
 
 
