@@ -76,6 +76,8 @@ class DataParallelGrads:
 
     # -- the backward ------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is None:   # the accumulator was reached with no gradient: a weight whose gradient a compiled
+            return               # layer deferred (zero-bubble); its W step accumulates it and fires this again
         param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # runtime attribute
         param.grad = None
         if not (self.overlap_grad_reduce and self._sync):

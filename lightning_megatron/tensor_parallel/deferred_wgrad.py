@@ -26,7 +26,10 @@ Under ``torch.compile`` (compiled layers) a marked linear is traced into the lay
 break: its backward hands its operands over through a side-effecting custom op
 (``lightning_megatron::defer_weight_grad``), which copies them, since inductor may reuse an intermediate's memory
 once its last op in the graph has run. The copies cost one read and write of each operand (the eager path keeps
-the tensors themselves); the parameter is found again from the weight the graph passes (``_owner``).
+the tensors themselves); the parameter is found again from the weight the graph passes (``_owner``). The compiled
+graph keeps its own autograd edge to the weight, which reaches the weight's accumulator in ``B`` with no gradient:
+its post-accumulate hooks are called there once without a new gradient (the data-parallel buffers ignore such a
+call, ``distributed/data_parallel.py``), and again with it in ``W``.
 
 Memory: each deferred linear keeps its input and its output gradient from ``B`` until ``W`` (the input
 is what its backward saved anyway; under sequence parallelism that is the all-gathered input).
@@ -59,8 +62,9 @@ class WeightGradQueue:
         self._work.append((weight, inp, grad_output))
 
     def run(self) -> None:
-        """Compute every deferred weight gradient and accumulate it through autograd (``.grad`` / hooks), in
-        the order the backward produced them; a weight used twice gets its contributions summed first."""
+        """Compute every deferred weight gradient and accumulate them through autograd (``.grad`` / hooks); a
+        weight used twice gets its contributions summed first. One autograd call for them all, not one per weight:
+        a W step is host-bound between small products (70 weights: 1.50 -> 1.02 ms of host time on a CPU core)."""
         work, self._work = self._work, []
         summed: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         for weight, inp, grad_output in work:
@@ -68,8 +72,9 @@ class WeightGradQueue:
             if id(weight) in summed:
                 dw = summed[id(weight)][1] + dw
             summed[id(weight)] = (weight, dw)
-        for weight, dw in summed.values():   # one at a time: a single dW lives at once
-            torch.autograd.backward(weight, dw.to(weight.dtype))
+        if summed:
+            torch.autograd.backward([weight for weight, _ in summed.values()],
+                                    [dw.to(weight.dtype) for weight, dw in summed.values()])
 
 
 def weight_grad(inp: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -109,6 +114,8 @@ _OWNERS: Dict[int, "weakref.ReferenceType[torch.Tensor]"] = {}
 def enable_deferred_weight_grads(module: nn.Module) -> int:
     """Mark every column-/row-parallel linear of ``module`` (those with a ``defer_weight_grad`` switch; see the
     module doc); returns how many."""
+    for address in [a for a, ref in _OWNERS.items() if ref() is None]:   # parameters gone since
+        del _OWNERS[address]
     marked = 0
     for layer in module.modules():
         if isinstance(getattr(layer, "defer_weight_grad", None), bool):

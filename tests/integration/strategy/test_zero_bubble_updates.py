@@ -5,7 +5,8 @@ minus 2·gradient, so a weight gradient that is lost (a W step that never runs),
 before its backward, or left out of the data-parallel reduction shows far beyond the tolerance. AdamW
 checks the update of a stateful optimizer over the same steps. The layouts: pp2 and pp4 (one layer per
 stage, eight micro-batches), tp2 + sequence parallelism with pp2, and dp2·pp2 with the distributed
-optimizer and overlapped bucket reduction (buckets reduced as the last micro-batch's W steps fill them).
+optimizer and overlapped bucket reduction (buckets reduced as the last micro-batch's W steps fill them), and
+compiled layers (the deferring linears traced into their graphs) with and without data parallelism.
 """
 
 import types
@@ -30,6 +31,11 @@ LAYOUTS = {
     # compiled layers (dynamo + AOTAutograd, eager backend): each deferring linear is a graph break
     "pp2-compiled": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                              compile_layers=dict(backend="aot_eager"))),
+    # compiled with data-parallel hooks: the compiled backward reaches each deferred weight's accumulator with no
+    # gradient, which fires its hook without one (the buffers must neither fail nor count the weight ready)
+    "dp2pp2-distopt-overlap-compiled": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
+                                                use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                                bucket_size=600, compile_layers=dict(backend="aot_eager"))),
 }
 
 
