@@ -83,3 +83,12 @@ def test_zero_bubble_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fp8"):
         _check_schedule("zb-h1", torch.nn.Sequential(float8_linear), state, None)
     assert _check_schedule("1f1b", torch.nn.Sequential(float8_linear), state, "partial") == "1f1b"
+
+
+@pytest.mark.parametrize("compile_layers", [False, dict(backend="aot_eager")], ids=["eager", "compiled"])
+def test_zero_bubble_with_recomputed_layers_matches_single_process(reference, compile_layers):
+    """Recomputed layers run their forward again inside B; their deferring linears' backward then runs inside the B
+    step too, so their weight gradients wait for W as the others do (the queue is the one active at the backward)."""
+    out = run_on_ranks(fit_and_record, 2, dict(LAYOUTS["pp2"][1], compile_layers=compile_layers, **ZB),
+                       module_kwargs=dict(recompute_layers=True), timeout=240)
+    assert_same_run(out, reference)
