@@ -210,6 +210,32 @@ def test_a_compiled_deferring_linear_stays_in_one_graph_and_defers_exactly(backe
     torch.testing.assert_close(model.down.weight.grad, 2 * ref.down.weight.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_a_compiled_deferring_linear_under_autocast_equals_the_eager_one():
+    """bf16 autocast: the traced path multiplies in bf16 as the eager one does, and W casts dW back to the float32
+    weight's dtype."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager, model = _TwoDeferringLinears(), _TwoDeferringLinears()
+    model.load_state_dict(eager.state_dict())
+    enable_deferred_weight_grads(model)
+    x0 = torch.randn(2, 5, 8)
+    compiled = torch.compile(model.forward, backend="aot_eager")
+    grads = []
+    for module, forward in ((eager, eager), (model, compiled)):
+        x = x0.clone().requires_grad_()
+        queue = WeightGradQueue()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(x)
+        with collect_weight_grads(queue):
+            out.float().square().sum().backward()
+        assert len(queue) == 2 and all(g.dtype == torch.bfloat16 for _, _, g in queue._work)   # the matmuls' dtype
+        queue.run()
+        grads.append((x.grad, module.up.weight.grad, module.down.weight.grad))
+    assert model.up.weight.grad.dtype == torch.float32
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)   # the same bf16 products, in the same order
+
+
 def test_the_compiled_path_finds_the_parameter_behind_the_graphs_alias():
     marked, stray = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     marked.defer_weight_grad = False
