@@ -6,7 +6,8 @@ before its backward, or left out of the data-parallel reduction shows far beyond
 checks the update of a stateful optimizer over the same steps. The layouts: pp2 and pp4 (one layer per
 stage, eight micro-batches), tp2 + sequence parallelism with pp2, and dp2·pp2 with the distributed
 optimizer and overlapped bucket reduction (buckets reduced as the last micro-batch's W steps fill them), and
-compiled layers (the deferring linears traced into their graphs) with and without data parallelism.
+compiled layers (the deferring linears traced into their graphs) with and without data parallelism and under
+tp2 + sequence parallelism (the collectives stay graph breaks between the traced pieces).
 """
 
 import types
@@ -31,6 +32,8 @@ LAYOUTS = {
     # compiled layers (dynamo + AOTAutograd, eager backend): each deferring linear is a graph break
     "pp2-compiled": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                              compile_layers=dict(backend="aot_eager"))),
+    "tp2sp-pp2-compiled": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+                                   micro_batch_size=2, compile_layers=dict(backend="aot_eager"))),
     # compiled with data-parallel hooks: the compiled backward reaches each deferred weight's accumulator with no
     # gradient, which fires its hook without one (the buffers must neither fail nor count the weight ready)
     "dp2pp2-distopt-overlap-compiled": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
