@@ -14,7 +14,7 @@ steps and sums the GPU time of its compute kernels (all but NCCL's): the pipelin
 per-micro-batch stage compute, the slowest stage's, times (m + p - 1) - the bubble (p - 1)/(m + p - 1).
 
     python benchmarks/bench_scaling.py --gpus 2                   # every configuration for 2 GPUs, then tables
-    python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe, balance
+    python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe, balance, cp
     python benchmarks/bench_scaling.py --gpus 2 --tiny --accelerator cpu   # dry run of the machinery (gloo)
     BENCH_SCALING_GAPS=1 python benchmarks/bench_scaling.py --gpus 2 --only llama-pp2-m8   # + each rank's idle gaps
 """
@@ -95,8 +95,9 @@ def layouts(gpus: int) -> List[Layout]:
                 out += [Layout(name, "balance", "llama", n, 8, 1, pp=n, vpp=vpp),
                         Layout(name + "-even", "balance", "llama", n, 8, 1, pp=n, vpp=vpp, split="even")]
             out.append(Layout(f"llama-pp{n}-zb-m8", "balance", "llama", n, 8, 1, pp=n, schedule="zb-h1"))
-    if gpus >= 2:   # the neighbour of the balanced [10, 6], by hand
-        out.append(Layout("llama-pp2-m8-9-7", "balance", "llama", 2, 8, 1, pp=2, split="9,7"))
+    if gpus >= 2:   # the neighbour of the balanced [10, 6], by hand; context parallelism at the Llama shape
+        out += [Layout("llama-pp2-m8-9-7", "balance", "llama", 2, 8, 1, pp=2, split="9,7"),
+                Layout("llama-cp2", "cp", "llama", 2, 8, 1, cp=2)]
     out.append(Layout("moe-1gpu", "moe", "moe", 1, 4, 2))
     if gpus >= 2:
         out += [Layout("moe-dp2", "moe", "moe", 2, 8, 2),
@@ -339,6 +340,18 @@ def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
         mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus / peak
         lines.append(f"| {name} | {r.get('pipeline_layout')} | {r['step_s'] * 1e3:.1f} | {ideal:.1f} | "
                      f"{r['step_s'] * 1e3 / ideal:.3f} | {compute} | {mfu:.1%} | {r['peak_gib'] or 0:.1f} |")
+    cp_rows = {name: r for name, r in rows.items() if Layout(**r["layout"]).group == "cp"}
+    if cp_rows:
+        lines += ["", "### Context parallelism at the Llama shape (each rank a share of every sequence)", "",
+                  "| layout | step ms | speed vs llama-1gpu | compute ms per rank | MFU (measured peak) | peak GiB |",
+                  "|" + " --- |" * 6]
+        for name, r in cp_rows.items():
+            layout = Layout(**r["layout"])
+            rel = f"{single['step_s'] / r['step_s']:.2f}x" if single else "-"
+            compute = " / ".join("-" if c is None else f"{c:.1f}" for c in r["compute_ms_per_rank"])
+            mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus / peak
+            lines.append(f"| {name} | {r['step_s'] * 1e3:.1f} | {rel} | {compute} | {mfu:.1%} | "
+                         f"{r['peak_gib'] or 0:.1f} |")
     lines += ["", "### MoE GPT (12 layers, hidden 1024, 8 experts top-2, sequence 4096, 8 sequences per step "
               "on 2 GPUs)", "", header + " vs moe-dp2 |", "|" + " --- |" * 8]
     base = rows.get("moe-dp2")

@@ -37,7 +37,8 @@ BERT = dict(layers=12, hidden=768, heads=12, seq=128, batch=4, vocab=30522, labe
 LLAMA = dict(layers=16, hidden=2048, heads=32, kv=8, ffn=8192, seq=4096, batch=1, vocab=128256, rope_base=500000.0)
 CONFIGS = ["gpt/plain", "gpt/auto", "gpt/ours-eager", "llama/plain", "llama/plain-hf", "llama/ours-eager",
            "bert/plain-hf", "bert/plain-hf-graph", "bert/plain", "bert/auto", "bert/ours-eager",
-           "bert/ours-partial", "bert/ours-full", "gpt8/ours-eager", "gpt8/ours-eager-fusedce"]
+           "bert/ours-partial", "bert/ours-full",
+           "bert/ours-full-compiled", "gpt8/ours-eager", "gpt8/ours-eager-fusedce"]
 # gpt8: the GPT at micro-batch 8, where the loss's float32 logits are largest (the fused chunked loss's case)
 GPT8 = dict(GPT, batch=8)
 FUSED_CE_CHUNK = 4096   # "ours-eager-fusedce": GPTModel(..., cross_entropy_chunk_size=4096)
@@ -197,7 +198,7 @@ def run_plain(workload: str, hf: bool = False, graph: bool = False, profile: boo
 
 
 def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: bool = False,
-                  cprofile: bool = False, steps=None, cross_entropy_chunk_size=None) -> dict:
+                  cprofile: bool = False, steps=None, cross_entropy_chunk_size=None, compile_layers="auto") -> dict:
     """``cprofile``: Python's profiler over the timed steps (``out["cprofile"]``, a ``pstats.Stats``)."""
     import lightning as L
 
@@ -245,7 +246,7 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
     else:
         from lightning_megatron import MegatronStrategy
 
-        strategy = MegatronStrategy(cuda_graph=cuda_graph, cuda_graph_warmup_steps=3)
+        strategy = MegatronStrategy(cuda_graph=cuda_graph, cuda_graph_warmup_steps=3, compile_layers=compile_layers)
     torch.manual_seed(0)
     module = Module()
     # use_distributed_sampler=False: Lightning shuffles the training set of every distributed strategy (ours and
@@ -306,6 +307,8 @@ def run_one(name: str, profile: bool) -> dict:
         return run_lightning(workload, "auto")
     if path == "ours-eager-fusedce":
         return run_lightning(workload, "megatron", None, cross_entropy_chunk_size=FUSED_CE_CHUNK)
+    if path == "ours-full-compiled":   # compiled layers inside the whole-step graph ("auto" leaves them eager)
+        return run_lightning(workload, "megatron", "full", compile_layers=True)
     graph = {"ours-eager": None, "ours-partial": "partial", "ours-full": "full"}[path]
     return run_lightning(workload, "megatron", graph, profile=profile and path == "ours-eager")
 

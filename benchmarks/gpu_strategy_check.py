@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--compile-layers", default="auto", choices=["auto", "0", "1"],
+                        help="the strategy's compile_layers: auto, False (0) or True (1)")
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--steps", type=int, default=20)
@@ -52,7 +55,7 @@ def main() -> None:
     parser.add_argument("--spare", type=int, default=0, help="ECHO spare expert slots per EP rank")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
-    dp = args.devices // (args.tp * args.pp)
+    dp = args.devices // (args.tp * args.pp * args.cp)
     moe = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=args.experts, topk=2, aux_loss_coeff=1e-2,
                     num_spare_experts_per_ep_rank=args.spare) if args.experts else None
     module = GPTPretraining(vocab_size=512, seq_length=128, num_layers=4, hidden_size=256, num_attention_heads=8,
@@ -61,7 +64,9 @@ def main() -> None:
     recorder = Recorder()
     strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                 micro_batch_size=args.micro_batch_size, cuda_graph=args.cuda_graph,
-                                virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep)
+                                virtual_pipeline_model_parallel_size=args.vpp, expert_model_parallel_size=args.ep,
+                                context_parallel_size=args.cp,
+                                compile_layers={"0": False, "1": True}.get(args.compile_layers, "auto"))
     trainer = L.Trainer(accelerator="gpu", devices=args.devices, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -71,7 +76,8 @@ def main() -> None:
     elapsed = time.perf_counter() - recorder.start
     if trainer.is_global_zero:
         steps = len(recorder.losses) - 2
-        print(f"layout devices={args.devices} tp={args.tp} pp={args.pp} ep={args.ep} experts={args.experts} "
+        print(f"layout devices={args.devices} tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} experts={args.experts} "
+              f"compile_layers={args.compile_layers} "
               f"spare={args.spare} mbs={args.micro_batch_size} "
               f"precision={args.precision} cuda_graph={args.cuda_graph} backend={torch.distributed.get_backend()} "
               f"{steps * args.global_batch * 128 / elapsed:.0f} tokens/s")
