@@ -42,7 +42,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_t
 from ..tensor_parallel.comm_overlap import all_gather_linear
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
-from .context_parallel import context_parallel_attention, context_parallel_rng_fork
+from .context_parallel import context_parallel_self_attention
 from .documents import DocumentMask
 from .norm import build_norm
 from .qk_norm import AcrossHeadsRMSNorm, normalize_across_heads
@@ -182,9 +182,8 @@ class SelfAttention(nn.Module):
                              f"sliding windows here are causal; use attn_mask_type='causal' or sliding_window=None.")
         scale, softcap = self.config.softmax_scale, self.config.attn_logit_softcapping
         if state.cp_size > 1:   # s is this rank's share of the sequence: keys/values come from all cp ranks
-            rng = context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank) if dropout > 0 else None
-            context = context_parallel_attention(q, k, v, attention_mask, causal, dropout, state.cp_group, rng,
-                                                 documents, window=window, scale=scale)
+            context = context_parallel_self_attention(q, k, v, attention_mask, causal, dropout, documents, window,
+                                                      scale)
         else:
             # each rank's heads are different heads: their dropout must differ (seed 002, B.2); under
             # sequence parallelism the whole block already runs on the tp-rank generator

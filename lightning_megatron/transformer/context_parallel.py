@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from ..context_parallel import all_gather_context_parallel, local_chunks
 from ..context_parallel.split import check_local_sequence_length
 from ..parallel import get_parallel_state
-from ..tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
+from ..tensor_parallel.mappings import eager_under_compile
+from ..tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
 from .documents import DocumentMask, chunk_document_mask, gathered_ids
 
 CONTEXT_PARALLEL_RNG = "context-parallel-rng"
@@ -99,6 +100,21 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q_ids, k_ids = gathered_ids(documents, lambda ids: all_gather_context_parallel(ids, seq_dim=1, group=group))
     with rng if rng is not None else contextlib.nullcontext():
         return local_query_attention(q, k_all, v_all, keep, causal, dropout_p, cp, rank, q_ids, k_ids, window, scale)
+
+
+@eager_under_compile
+def context_parallel_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    attention_mask: Optional[torch.Tensor], causal: bool, dropout_p: float,
+                                    document_ids: Union[torch.Tensor, DocumentMask, None],
+                                    window: Optional[int], scale: Optional[float]) -> torch.Tensor:
+    """:func:`context_parallel_attention` over the active state's cp group, its dropout drawn from this rank's
+    stream; all of it eager under ``torch.compile`` (one graph break: its all-gathers break the graph anyway).
+    Traced, the dropout stream's fork (made on first use) and the attention kernels' draws did not run as eager
+    ones on GPUs: a compiled cp2 run's gradients left eager's at the first step with dropout on."""
+    state = get_parallel_state()
+    rng = context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank) if dropout_p > 0 else None
+    return context_parallel_attention(q, k, v, attention_mask, causal, dropout_p, state.cp_group, rng, document_ids,
+                                      window=window, scale=scale)
 
 
 def local_query_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, keep: Optional[torch.Tensor],

@@ -37,29 +37,6 @@ def test_auto_compiles_where_it_measured_faster_and_explicit_compiles_everywhere
     assert resolve_compile_layers({"backend": "aot_eager"}, cpu) == {"backend": "aot_eager"}
 
 
-def _refused_with_dropout_under_context_parallelism(dropout):
-    from lightning_megatron.parallel import ParallelLayout, ParallelState
-
-    ParallelState(ParallelLayout(1)).activate()
-    model = _tiny_gpt(hidden_dropout=dropout, attention_dropout=dropout)
-    cuda = torch.device("cuda")
-    assert apply_compile_layers(model, "auto", cuda, cp=2) == 0          # auto: eager at cp > 1, no question
-    if dropout:
-        with pytest.raises(ValueError, match="compile_layers=True with context_parallel_size=2 and dropout.*"
-                                             "compile_layers='auto' or False"):
-            apply_compile_layers(model, True, cuda, cp=2)
-        assert compiled_bodies(model.decoder.layers[0]) == []              # refused before compiling any
-        assert apply_compile_layers(model, True, torch.device("cpu"), cp=2) == 3   # the CPU equals eager
-    else:
-        assert apply_compile_layers(model, True, cuda, cp=2) == 3
-    return True
-
-
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_compiled_context_parallel_with_dropout_refused_on_cuda(dropout):
-    assert run_on_ranks(_refused_with_dropout_under_context_parallelism, 1, dropout, timeout=120) == [True]
-
-
 def _tiny_gpt(**overrides):
     from lightning_megatron.models import GPTModel
     from lightning_megatron.transformer import TransformerConfig
