@@ -120,9 +120,7 @@ def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch
     """The strategy's ``compile_layers`` switch on ``model`` for ``device`` and the layout (see
     :func:`resolve_compile_layers`): how many layers it compiled."""
     kwargs = resolve_compile_layers(setting, device, cp, cuda_graph)
-    if kwargs is None:
-        return 0
-    return compile_layers(model, **kwargs)
+    return 0 if kwargs is None else compile_layers(model, **kwargs)
 
 
 def uncompile_layer(layer: nn.Module) -> None:
