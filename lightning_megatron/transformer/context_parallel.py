@@ -109,8 +109,8 @@ def context_parallel_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     window: Optional[int], scale: Optional[float]) -> torch.Tensor:
     """:func:`context_parallel_attention` over the active state's cp group, its dropout drawn from this rank's
     stream; all of it eager under ``torch.compile`` (one graph break: its all-gathers break the graph anyway).
-    Traced, the dropout stream's fork (made on first use) and the attention kernels' draws did not run as eager
-    ones on GPUs: a compiled cp2 run's gradients left eager's at the first step with dropout on."""
+    Traced (the attention's forward made the dropout stream's fork, creating the stream on first use, inside the
+    compiled graph), a compiled cp2 run's gradients left eager's at the first step with dropout on GPUs."""
     state = get_parallel_state()
     rng = context_parallel_rng_fork(get_rng_tracker(state), state.cp_rank) if dropout_p > 0 else None
     return context_parallel_attention(q, k, v, attention_mask, causal, dropout_p, state.cp_group, rng, document_ids,
