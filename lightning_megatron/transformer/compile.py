@@ -18,7 +18,9 @@ run equals an eager one exactly in distribution and, on the CPU, bit for bit.
 Recompiles: all layers of one shape share one graph per body (the module is an input, not a constant). A new
 input shape (a ragged last batch, validation's other batch size) compiles once more with that dimension
 dynamic (``torch.compile``'s automatic dynamic shapes), and evaluation (no grad) has its own graph: a
-handful per body, within dynamo's ``recompile_limit``.
+handful per body, within dynamo's ``recompile_limit``, all in the first epoch (a two-layer fit with a ragged last
+batch and another validation batch size: 13 graphs, or 8 in micro-batches of 2, and none after; the test in
+tests/unit/transformer/test_compile.py fails on a per-step guard).
 """
 
 from __future__ import annotations

@@ -188,3 +188,45 @@ def test_context_parallel_attention_runs_eagerly_inside_compiled_layers():
         torch.testing.assert_close(loss, eager_loss)
         for name, grad in eager_grads.items():
             torch.testing.assert_close(grads[name], grad, msg=lambda m: f"{name}: {m}")
+
+
+def _graphs_per_epoch(micro_batch_size):
+    """Dynamo's compiled graphs after each epoch of a Trainer run whose last training batch is ragged (10 samples in
+    batches of 4) and whose validation runs other batch sizes (5 samples in batches of 3)."""
+    import lightning as L
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    from helpers.strategy_utils import TinyGPT, TokenData
+    from lightning_megatron import MegatronStrategy
+
+    class Count(L.Callback):
+        def __init__(self):
+            self.graphs = []
+
+        def on_validation_epoch_end(self, trainer, module):
+            if not trainer.sanity_checking:
+                self.graphs.append(counters["stats"]["unique_graphs"])
+
+    torch._dynamo.reset()
+    counters.clear()
+    count = Count()
+    module = TinyGPT(layers=2, position_embedding_type="rope", dropout=0.1)
+    strategy = MegatronStrategy(compile_layers={"backend": "eager"}, micro_batch_size=micro_batch_size)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[count])
+    trainer.fit(module, DataLoader(TokenData(n=10), batch_size=4), DataLoader(TokenData(n=5, seed=1), batch_size=3))
+    return count.graphs, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 2])
+def test_compiled_layers_stop_compiling_after_the_first_epoch(micro_batch_size):
+    """What recompiles is bounded (compile.py): new batch shapes (the ragged last batch, validation's sizes) and
+    evaluation's no-grad graphs in the first epoch, then nothing: a guard on something that changes per step (a
+    step counter, an RNG offset, a Python int of the batch) would add graphs every epoch."""
+    graphs, stats = run_on_ranks(_graphs_per_epoch, 1, micro_batch_size, timeout=300)[0]
+    assert len(graphs) == 4, graphs
+    assert graphs[0] == graphs[-1], (graphs, stats)    # epochs 2-4 compiled nothing new
+    assert 0 < graphs[0] <= 14, (graphs, stats)        # 13 and 8 graphs (this CPU): per body train/eval, static/dynamic
