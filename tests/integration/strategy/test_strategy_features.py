@@ -296,6 +296,33 @@ def test_resume_with_dropout_draws_the_same_masks(tmp_path, world, kwargs, step)
         assert resumed == straight[step:]
 
 
+def _resume_across_compile(kwargs, folder, step, saved_compiled):
+    """8 steps with dropout, layers compiled (traced by dynamo and AOTAutograd, run by the eager backend: eager's
+    numbers) or not, checkpointing every step; then resume from ``step`` the other way."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    traced = dict(compile_layers={"backend": "aot_eager"})
+    saving, resuming = (dict(kwargs, **traced), kwargs) if saved_compiled else (kwargs, dict(kwargs, **traced))
+    world = os.environ["WORLD_SIZE"]
+    every_step = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    straight = fit_tiny_gpt(saving, max_steps=8, dataset_size=32, module_cls=AdamGPT, module_kwargs=dict(dropout=0.1),
+                            trainer_kwargs=dict(enable_checkpointing=True, callbacks=[every_step]))["losses"]
+    os.environ["WORLD_SIZE"] = world
+    resumed = fit_tiny_gpt(resuming, max_steps=8, dataset_size=32, module_cls=AdamGPT,
+                           module_kwargs=dict(dropout=0.1), resume_from=os.path.join(folder, f"step={step}.ckpt"))
+    return straight, resumed["losses"]
+
+
+@pytest.mark.parametrize("saved_compiled", [True, False])
+def test_a_run_saved_with_compiled_layers_resumes_without_them_and_the_reverse(tmp_path, saved_compiled):
+    """Compiled layers leave the checkpoint as eager ones write it (no ``_orig_mod``, the same RNG states): the
+    resumed run continues the saved one exactly, with dropout on, at tp2."""
+    for straight, resumed in run_on_ranks(_resume_across_compile, 2, dict(tensor_model_parallel_size=2),
+                                          str(tmp_path / "ckpts"), 3, saved_compiled, timeout=300):
+        assert len(straight) == 8
+        assert resumed == straight[3:]
+
+
 def test_sequence_parallel_without_tensor_parallelism_warns_and_is_off():
     from lightning_megatron import MegatronStrategy
 
