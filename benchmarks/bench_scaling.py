@@ -6,7 +6,9 @@ Workloads (bf16-true, fused AdamW, gradient clipping at 1.0, the loss logged eve
 - ``llama``: the Llama-3.2-1B shape (16 layers, hidden 2048, 32 heads, 8 KV groups, FFN 8192, sequence
   4096, vocabulary 128256), for the pipeline split: its output layer and loss cost about four layers;
 - ``moe``: a small MoE GPT (12 layers, hidden 1024, 16 heads, sequence 4096, 8 experts top-2 on every
-  layer, expert FFN 2816, auxiliary loss 1e-2, dropless).
+  layer, expert FFN 2816, auxiliary loss 1e-2, dropless), at 4 sequences per GPU: data parallel, and expert
+  parallel (EP = GPUs) with ECHO's spare slots off and on (``-echo``), under balanced routing and under routing
+  skewed towards the first EP rank's experts by a selection bias (``-skew``): ECHO against off, same routing.
 
 Each configuration runs in its own processes (``torchrun --standalone`` above one GPU). Rank 0 times steps
 W..W+N between two marks of ``cuda.synchronize`` + barrier on every rank; then every rank profiles P more
@@ -43,6 +45,7 @@ TINY = {"gpt": dict(layers=4, hidden=64, heads=4, seq=64, vocab=256),
         "llama": dict(layers=4, hidden=64, heads=4, groups=2, ffn=128, seq=64, vocab=4096),
         "moe": dict(layers=2, hidden=64, heads=4, seq=64, vocab=256, experts=4, topk=2, expert_ffn=96)}
 WARMUP, STEPS, PROFILED = 3, 8, 2
+SKEW = 1.0   # the skewed MoE layouts' selection bias (bench_echo.py's strongest: the busiest EP rank ~1.6x the mean)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,8 @@ class Layout:
     distopt: bool = False
     split: Optional[str] = None   # the model's pipeline_layout (None: its default, balanced by cost; "9,7": by hand)
     schedule: str = "1f1b"        # the strategy's pipeline_schedule ("zb-h1": zero-bubble 1F1B)
+    spare: int = 0                # MoE: ECHO's spare expert slots per EP rank (0: off)
+    skew: float = 0.0             # MoE: selection bias on the first EP rank's experts (0: balanced routing)
 
     @property
     def dp(self) -> int:
@@ -101,15 +106,22 @@ def layouts(gpus: int) -> List[Layout]:
     out.append(Layout("moe-1gpu", "moe", "moe", 1, 4, 2))
     if gpus >= 2:
         out += [Layout("moe-dp2", "moe", "moe", 2, 8, 2),
-                Layout("moe-ep2", "moe", "moe", 2, 8, 2, ep=2),
                 Layout("moe-cp2", "moe", "moe", 2, 8, 2, cp=2),
                 Layout("moe-cp2-ep2", "moe", "moe", 2, 8, 2, cp=2, ep=2)]
+    for n in (2, 4):   # expert parallelism with ECHO off and on, balanced and skewed routing (issue 30)
+        if n <= gpus:
+            if n > 2:
+                out.append(Layout(f"moe-dp{n}", "moe", "moe", n, 4 * n, 2))
+            for skew in (0.0, SKEW):
+                for spare in (0, 1):
+                    name = f"moe-ep{n}" + ("-skew" if skew else "") + ("-echo" if spare else "")
+                    out.append(Layout(name, "moe", "moe", n, 4 * n, 2, ep=n, spare=spare, skew=skew))
     return out
 
 
 # -- one configuration, in each of its processes ----------------------------------------------------------------
 
-def transformer_config(workload: str, tiny: bool):
+def transformer_config(workload: str, tiny: bool, spare: int = 0):
     from lightning_megatron.moe import MoEConfig
     from lightning_megatron.transformer import TransformerConfig
 
@@ -121,8 +133,10 @@ def transformer_config(workload: str, tiny: bool):
                             ffn_hidden_size=spec["ffn"]), spec
     moe = None
     if workload == "moe":
+        # the expert bias (selection only) is what skews the routing of the skewed layouts; zero leaves it unchanged
         moe = MoEConfig(hidden_size=spec["hidden"], ffn_hidden_size=spec["expert_ffn"], num_experts=spec["experts"],
-                        topk=spec["topk"], aux_loss_coeff=1e-2)
+                        topk=spec["topk"], aux_loss_coeff=1e-2, enable_expert_bias=True,
+                        num_spare_experts_per_ep_rank=spare)
     return TransformerConfig(num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
                              hidden_dropout=0.0, attention_dropout=0.0, activation="gelu_tanh", moe=moe), spec
 
@@ -148,7 +162,7 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
     from lightning_megatron.models.llama import LlamaModel
     from lightning_megatron.pipeline import VirtualChunks
 
-    config, spec = transformer_config(layout.workload, tiny)
+    config, spec = transformer_config(layout.workload, tiny, layout.spare)
     gpu = accelerator == "gpu"
     split = [int(n) for n in layout.split.split(",")] if layout.split and "," in layout.split else layout.split
     marks: Dict[str, object] = {}
@@ -159,6 +173,11 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                 model_class = LlamaModel if layout.workload == "llama" else GPTModel
                 self.model = VirtualChunks(lambda v: model_class(config, spec["vocab"], spec["seq"], vp_rank=v,
                                                                  pipeline_layout=split))
+                if layout.skew:   # the first EP rank's experts (global ids) picked more often: its GPU the busiest
+                    from lightning_megatron.moe import TopKRouter
+
+                    for router in (m for m in self.model.modules() if isinstance(m, TopKRouter)):
+                        router.expert_bias[: spec["experts"] // layout.ep] = layout.skew
 
         def forward(self, batch):   # pipeline stages after the first run it on the received activation
             return self.model(batch["input_ids"], labels=batch["labels"])
@@ -352,15 +371,19 @@ def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
             mfu = flops_per_step(layout, tiny) / r["step_s"] / layout.gpus / peak
             lines.append(f"| {name} | {r['step_s'] * 1e3:.1f} | {rel} | {compute} | {mfu:.1%} | "
                          f"{r['peak_gib'] or 0:.1f} |")
-    lines += ["", "### MoE GPT (12 layers, hidden 1024, 8 experts top-2, sequence 4096, 8 sequences per step "
-              "on 2 GPUs)", "", header + " vs moe-dp2 |", "|" + " --- |" * 8]
-    base = rows.get("moe-dp2")
+    lines += ["", "### MoE GPT (12 layers, hidden 1024, 8 experts top-2, sequence 4096, 4 sequences per GPU per step; "
+              f"skewed: expert bias {SKEW} on the first EP rank's experts; ECHO: one spare slot per EP rank)", "",
+              header + " vs moe-dp (same GPUs) | ECHO vs off |", "|" + " --- |" * 9]
     for name, r in rows.items():
         layout = Layout(**r["layout"])
-        if layout.group == "moe":
-            rel = (f"{(layout.global_batch / r['step_s']) / (base['layout']['global_batch'] / base['step_s']):.2f}x"
-                   if base and layout.gpus == 2 else "-")
-            lines.append(f"| {name} | {layout.gpus} | {throughput(r)} | {rel} |")
+        if layout.group != "moe":
+            continue
+        speed = layout.global_batch / r["step_s"]
+        base = rows.get(f"moe-dp{layout.gpus}")
+        rel = f"{speed / (base['layout']['global_batch'] / base['step_s']):.2f}x" if base and layout.gpus > 1 else "-"
+        off = rows.get(name[:-len("-echo")]) if name.endswith("-echo") else None
+        echo = f"{off['step_s'] / r['step_s']:.2f}x" if off else "-"
+        lines.append(f"| {name} | {layout.gpus} | {throughput(r)} | {rel} | {echo} |")
     lines += ["", "final losses: " + ", ".join(f"{n} {r['final_loss']:.4f}" for n, r in rows.items())]
     return "\n".join(lines)
 
