@@ -24,3 +24,22 @@ def test_scaling_benchmark_dry_run_on_cpu(tmp_path):
     # the same 8 sequences a step in both layouts (2 x 4 on one process, 4 x 2 through the pipeline), float32
     assert abs(one["final_loss"] - pipeline["final_loss"]) < 1e-4, (one["final_loss"], pipeline["final_loss"])
     assert "| gpt-pp2-vpp2-m4 | 4 |" in done.stdout
+
+
+def test_moe_echo_and_skew_layouts_dry_run_on_cpu(tmp_path):
+    """The ECHO rows the 4-GPU machine is for: the skew takes effect (routing, hence the loss, changes) and ECHO
+    does not change the numbers (the same loss with spare slots), and the table compares ECHO with off."""
+    out = tmp_path / "results.json"
+    names = "moe-ep2,moe-ep2-skew,moe-ep2-skew-echo"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--gpus", "2",
+                           "--tiny", "--accelerator", "cpu", "--only", names, "--timeout", "240", "--json", str(out)],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == set(names.split(",")) and None not in results.values(), done.stdout
+    balanced, skewed, echo = (results[n]["final_loss"] for n in names.split(","))
+    assert results["moe-ep2-skew-echo"]["layout"]["spare"] == 1 and results["moe-ep2-skew"]["layout"]["skew"] > 0
+    assert abs(skewed - balanced) > 1e-5, (skewed, balanced)
+    assert abs(echo - skewed) < 1e-4, (echo, skewed)
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| moe-ep2-skew-echo |"))
+    assert row.rstrip(" |").endswith("x"), row   # the ECHO-vs-off ratio
