@@ -363,10 +363,22 @@ MUTATIONS: List[Mutation] = [
              (f"{STRATEGY}/test_zero_bubble_updates.py::test_zero_bubble_updates_match_single_process[dp2pp2-distopt-overlap]",),
              ci=False),
     Mutation("compiled-zero-bubble-gradless-hook-counted", "lightning_megatron/distributed/data_parallel.py",
-             "        if param.grad is None:   # the accumulator was reached with no gradient",
-             "        if False:   # the accumulator was reached with no gradient",
+             "        elif param.grad is None:   # the accumulator was reached with no gradient",
+             "        elif False:   # the accumulator was reached with no gradient",
              (f"{STRATEGY}/test_zero_bubble_updates.py::test_zero_bubble_updates_match_single_process"
               "[dp2pp2-distopt-overlap-compiled]",), ci=False),
+    # gradient-accumulation fusion: each product added into the gradient, and the bucket counted ready
+    Mutation("fused-accumulation-overwrites-the-sum", "lightning_megatron/tensor_parallel/grad_accumulation.py",
+             "            target.addmm_(g.t(), x)\n",
+             "            target.copy_(g.t().mm(x))\n",
+             ("tests/integration/strategy/test_grad_accumulation_fusion.py::"
+              "test_fused_gradient_accumulation_matches_single_process[dp2tp2sp-distopt-overlap]",), ci=False),
+    Mutation("fused-weights-never-counted-ready", "lightning_megatron/distributed/data_parallel.py",
+             "            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]  # runtime attribute\n",
+             "            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]  # runtime attribute\n"
+             "            return\n",
+             ("tests/unit/tensor_parallel/test_grad_accumulation.py::"
+              "test_fused_weights_issue_their_buckets_inside_the_last_backward",), ci=False),
     # tp_comm_overlap: the ring's chunks and the weight gradient's gathered operand
     Mutation("comm-overlap-reduce-scatter-chunk-off-by-one", "lightning_megatron/tensor_parallel/comm_overlap.py",
              "        partial = _chunk(x, (rank - step - 1) % size, size) @ weight\n",

@@ -76,10 +76,13 @@ class DataParallelGrads:
 
     # -- the backward ------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is None:   # the accumulator was reached with no gradient: a weight whose gradient a compiled
-            return               # layer deferred (zero-bubble); its W step accumulates it and fires this again
-        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # runtime attribute
-        param.grad = None
+        if getattr(param, "grad_added_to_main_grad", False):   # its GEMM accumulated it (grad_accumulation.py)
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]  # runtime attribute
+        elif param.grad is None:   # the accumulator was reached with no gradient: a compiled layer's own edge to a
+            return                 # weight whose gradient its GEMM accumulates or the zero-bubble W step will
+        else:
+            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # runtime attribute
+            param.grad = None
         if not (self.overlap_grad_reduce and self._sync):
             return
         buffer, bucket = self._where[id(param)]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .grad_accumulation import accumulate_weight_grad
 from .mappings import eager_under_compile, gather_along_dim
 from .utils import in_autocast_dtype
 
@@ -29,12 +30,16 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+                group: dist.ProcessGroup, sequence_parallel: bool,
+                accumulate_into: Optional[Tuple[torch.Tensor]]) -> torch.Tensor:
         total = gather_along_dim(x, 0, group) if sequence_parallel else x
         ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        # under CUDA-graph capture the collectives stay ordered on the capturing stream (no second stream to join)
-        ctx.overlap = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        # under CUDA-graph capture the collectives stay ordered on the capturing stream (no second stream to join),
+        # and the weight gradient is returned (the capture would freeze the Python that picks its target)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        ctx.overlap = not capturing
+        ctx.accumulate_into = None if capturing else accumulate_into
         return F.linear(total, weight, bias)
 
     @staticmethod
@@ -51,19 +56,26 @@ class _ColumnParallelLinear(torch.autograd.Function):
             else:
                 grad_x = partial
                 work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
-        grad_w = flat.t().mm(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
+            accumulate_weight_grad(ctx.accumulate_into[0], total, grad)
+        elif ctx.needs_input_grad[1]:
+            grad_w = flat.t().mm(total.reshape(-1, total.shape[-1]))
         grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 @eager_under_compile   # one graph break for the casts and the function (not a break inside an autocast region)
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+                           group: dist.ProcessGroup, sequence_parallel: bool,
+                           accumulate_into: Optional[Tuple[torch.Tensor]] = None) -> torch.Tensor:
     """A column-parallel linear's forward at tensor-parallel size > 1: ``F.linear`` of the all-gathered
-    (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the module)."""
+    (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the module).
+    ``accumulate_into``: ``(the weight parameter,)`` whose gradient the backward's GEMM accumulates
+    (``grad_accumulation.py``), or None (the gradient returned to autograd)."""
     bias = None if bias is None else in_autocast_dtype(bias, x)
     x, weight = in_autocast_dtype(x, x), in_autocast_dtype(weight, x)
     with torch.autocast(x.device.type, enabled=False):
-        return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel)
+        return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel, accumulate_into)

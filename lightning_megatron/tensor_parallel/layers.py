@@ -32,6 +32,7 @@ from .mappings import (
 from .column_backward import column_parallel_linear
 from .comm_overlap import all_gather_linear, linear_reduce_scatter
 from .deferred_wgrad import deferrable_linear
+from .grad_accumulation import accumulating_linear, register_fused_weight
 from .token_ids import check_ids_in_vocab
 from .utils import divide, set_tensor_model_parallel_attributes, vocab_range
 
@@ -98,6 +99,13 @@ class _TensorParallelLinear(_TensorParallelModule):
     defer_weight_grad: bool = False
     #: sequence-parallel communication overlapped with the matmul (``comm_overlap.py``; set at construction)
     comm_overlap: bool = False
+    #: the weight gradient accumulated by its GEMM (``grad_accumulation.py``; set at construction)
+    accumulate_weight_grads: bool = False
+
+    def _fuse_grad_accumulation(self, enabled: bool) -> None:
+        self.accumulate_weight_grads = enabled
+        if enabled:
+            register_fused_weight(self)
 
     def _overlapped(self) -> bool:
         """Whether this forward takes the overlapped path; float8 and deferred weight gradients refuse it."""
@@ -116,6 +124,8 @@ class _TensorParallelLinear(_TensorParallelModule):
             return self.float8(x, weight, bias)
         if self.defer_weight_grad and weight is self.weight:
             return deferrable_linear(x, weight, bias)
+        if self.accumulate_weight_grads and weight is self.weight:
+            return accumulating_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _overlap_repr(self) -> str:
@@ -137,9 +147,11 @@ class ColumnParallelLinear(_TensorParallelLinear):
                  init_method: Optional[InitMethod] = None, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
-                 group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False) -> None:
+                 group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False,
+                 grad_accumulation_fusion: bool = False) -> None:
         super().__init__(group)
         self.comm_overlap = comm_overlap
+        self._fuse_grad_accumulation(grad_accumulation_fusion)
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True; keep the output split and use a RowParallelLinear.")
@@ -170,7 +182,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
             return (out, self.bias) if self.skip_bias_add else out
         bias = None if self.skip_bias_add else self.bias
         if self._backward_overlapped():
-            out = column_parallel_linear(x, self.weight, bias, group, self.sequence_parallel)
+            accumulate_into = (self.weight,) if self.accumulate_weight_grads else None
+            out = column_parallel_linear(x, self.weight, bias, group, self.sequence_parallel, accumulate_into)
         else:
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True)
@@ -203,9 +216,11 @@ class RowParallelLinear(_TensorParallelLinear):
                  init_method: Optional[InitMethod] = None, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
-                 group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False) -> None:
+                 group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False,
+                 grad_accumulation_fusion: bool = False) -> None:
         super().__init__(group)
         self.comm_overlap = comm_overlap
+        self._fuse_grad_accumulation(grad_accumulation_fusion)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
                              "(its input comes split from a ColumnParallelLinear).")

@@ -86,7 +86,8 @@ class SelfAttention(nn.Module):
         column: Dict[str, Any] = dict(
             bias=config.qkv_bias, init_method=init_method_normal(config.init_method_std),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-            comm_overlap=config.tp_comm_overlap)
+            comm_overlap=config.tp_comm_overlap,
+            grad_accumulation_fusion=config.gradient_accumulation_fusion)
         groups = config.query_groups
         if config.grouped_query_attention:
             self.q = ColumnParallelLinear(config.hidden_size, width, **column)
@@ -100,7 +101,8 @@ class SelfAttention(nn.Module):
             width, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=init_method_normal(config.output_layer_init_std),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-            comm_overlap=config.tp_comm_overlap)
+            comm_overlap=config.tp_comm_overlap,
+            grad_accumulation_fusion=config.gradient_accumulation_fusion)
         self.window = config.window_of(layer_number)
         local_base = config.window_rotary_base if self.window is not None else None   # Gemma 3's local layers
         self.rotary = (RotaryEmbedding(config.rotary_dim, local_base or config.rotary_base,

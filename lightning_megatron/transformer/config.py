@@ -87,6 +87,7 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False                  # sequence-parallel gathers/reduce-scatters overlap the GEMMs
+    gradient_accumulation_fusion: bool = False     # linears' weight gradients accumulated by their GEMM (addmm_)
     recompute_layers: bool = False                 # activation checkpointing per layer
     moe: Optional[Any] = None                      # a moe.MoEConfig: MLPs become mixture-of-experts layers
     moe_layer_freq: int = 1                        # every k-th layer (1-based: layers 1, 1+k, ...) is MoE

@@ -27,12 +27,14 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, bias=config.add_bias_linear,
             init_method=init_method_normal(config.init_method_std), sequence_parallel=config.sequence_parallel,
-            stride=2 if gated else 1, params_dtype=config.params_dtype, comm_overlap=config.tp_comm_overlap)
+            stride=2 if gated else 1, params_dtype=config.params_dtype, comm_overlap=config.tp_comm_overlap,
+            grad_accumulation_fusion=config.gradient_accumulation_fusion)
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=init_method_normal(config.output_layer_init_std),
             sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-            comm_overlap=config.tp_comm_overlap)
+            comm_overlap=config.tp_comm_overlap,
+            grad_accumulation_fusion=config.gradient_accumulation_fusion)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.fc1(hidden)

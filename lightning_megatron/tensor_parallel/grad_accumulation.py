@@ -1,0 +1,156 @@
+"""Weight gradients accumulated by their GEMM (``TransformerConfig.gradient_accumulation_fusion``).
+
+Over several micro-batches a weight's gradient is a sum. Autograd forms each micro-batch's ``dW = gᵀ·x`` as a new
+tensor and then adds it: into ``.grad`` (``AccumulateGrad``) or, with data-parallel buffers, into ``main_grad``
+(their hook), one more read and write of the gradient per weight per micro-batch, and a transient ``dW``. Here a
+column-/row-parallel linear's backward accumulates its product where the gradient lives, in one GEMM
+(``addmm_``: C += gᵀ·x): Megatron-Core's gradient-accumulation fusion, without its CUDA extension. The parameter's
+post-accumulate hooks are called as ``AccumulateGrad`` calls them, so the data-parallel buffers' overlapped
+reduction still starts when a weight's gradient is complete (the buffers see ``param.grad_added_to_main_grad``).
+
+Where the buffer's dtype differs from the product's (a float32 ``main_grad`` of bf16 matmuls), the product is
+formed and then added: correct, no saving. A forward under CUDA-graph capture takes the plain path (the capture
+would freeze the Python that picks the target), as do float8 matmuls and the zero-bubble schedule's deferred
+weights (``deferred_wgrad.py`` accumulates them in its ``W`` step).
+
+Under ``torch.compile`` the linear is traced into the layer's graph: its backward calls the side-effecting custom op
+``lightning_megatron::accumulate_weight_grad``, which finds the parameter from the graph's detached alias of it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .deferred_wgrad import _input_and_bias_grads
+from .mappings import eager_under_compile
+from .utils import in_autocast_dtype
+
+# the modules whose weights accumulate this way, and (rebuilt from them whenever a lookup misses: after a move or
+# cast the addresses change) the data address of each weight -> the parameter
+_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_BY_ADDRESS: Dict[int, "weakref.ReferenceType[torch.Tensor]"] = {}
+
+
+def register_fused_weight(module: nn.Module) -> None:
+    """``module.weight`` accumulates its gradient in its GEMM (the linears call it at construction)."""
+    _MODULES.add(module)
+
+
+def _parameter(alias: torch.Tensor) -> torch.Tensor:
+    """The registered parameter that ``alias`` is (eager) or shares memory with (compiled: the graph's detached
+    copy)."""
+    if alias.is_leaf and alias.requires_grad:
+        return alias
+    for attempt in range(2):
+        ref = _BY_ADDRESS.get(alias.data_ptr())
+        param = None if ref is None else ref()
+        if param is not None and param.shape == alias.shape and param.data_ptr() == alias.data_ptr():
+            return param
+        if attempt == 0:   # moved or cast since the last lookup: the addresses again
+            _BY_ADDRESS.clear()
+            for module in list(_MODULES):
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, torch.Tensor):
+                    _BY_ADDRESS[weight.data_ptr()] = weakref.ref(weight)
+    raise RuntimeError(f"a gradient-accumulating linear's weight (shape {tuple(alias.shape)}) belongs to no "
+                       f"registered linear (register_fused_weight).")
+
+
+def accumulate_weight_grad(param: torch.Tensor, inp: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``param``'s gradient += ``grad_outputᵀ · inp`` (flattened), in ``main_grad`` if it has one, else in ``.grad``
+    (made by the first product); then its post-accumulate hooks, as ``AccumulateGrad`` would call them."""
+    g = grad_output.reshape(-1, grad_output.shape[-1])
+    x = inp.reshape(-1, inp.shape[-1]).to(g.dtype)
+    main: Optional[torch.Tensor] = getattr(param, "main_grad", None)
+    target = main if main is not None else param.grad
+    with torch.no_grad():
+        if target is None:
+            param.grad = g.t().mm(x).to(param.dtype)
+        elif target.dtype == g.dtype:
+            target.addmm_(g.t(), x)
+        else:
+            target.add_(g.t().mm(x))
+    if main is not None:
+        param.grad_added_to_main_grad = True  # type: ignore[attr-defined]  # runtime attribute
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in list(hooks.values()) if hooks else []:
+        hook(param)
+
+
+@torch.library.custom_op("lightning_megatron::accumulate_weight_grad", mutates_args=())
+def _accumulate_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
+    """The compiled backward's accumulation (consumed at once: no copies)."""
+    accumulate_weight_grad(_parameter(weight), inp, grad_output)
+
+
+@_accumulate_weight_grad.register_fake
+def _(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
+    return None
+
+
+# it returns nothing: without this, dead-code elimination drops it from the backward graph
+torch.fx.node.has_side_effect(torch.ops.lightning_megatron.accumulate_weight_grad.default)
+
+
+def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward accumulates the weight's gradient itself (see the module)."""
+    if not torch.is_grad_enabled() or not weight.requires_grad or \
+            (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        b = None if bias is None else in_autocast_dtype(bias, x)
+        return _TracedAccumulatingLinear.apply(in_autocast_dtype(x, x), in_autocast_dtype(weight.detach(), x), b,
+                                               weight.detach())
+    return _eager_accumulating_linear(x, weight, bias)
+
+
+@eager_under_compile   # a frozen input under compile: the throwaway leaf below is made eagerly
+def _eager_accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The eager path: the weight travels in a tuple (no autograd edge, so ``AccumulateGrad`` does not add it again);
+    a throwaway leaf keeps a frozen input's output in the graph."""
+    anchor = None
+    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
+    return _AccumulatingLinear.apply(x, bias, anchor, (weight,))
+
+
+class _AccumulatingLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
+                target: Tuple[torch.Tensor]) -> torch.Tensor:
+        weight, = target
+        w, b = in_autocast_dtype(weight, x), None if bias is None else in_autocast_dtype(bias, x)
+        x = in_autocast_dtype(x, x)
+        ctx.save_for_backward(x, w)
+        ctx.weight, ctx.has_bias = weight, bias is not None
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        x, w = ctx.saved_tensors
+        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 1)
+        accumulate_weight_grad(ctx.weight, x, grad)
+        return grad_x, grad_b, None, None
+
+
+class _TracedAccumulatingLinear(torch.autograd.Function):
+    """Under ``torch.compile``: ``w`` the (cast) weight detached, ``weight`` the parameter's detached alias."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        x, w, weight = ctx.saved_tensors
+        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 2)
+        torch.ops.lightning_megatron.accumulate_weight_grad(x, grad, weight)
+        return grad_x, None, grad_b, None
