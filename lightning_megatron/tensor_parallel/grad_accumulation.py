@@ -9,9 +9,10 @@ post-accumulate hooks are called as ``AccumulateGrad`` calls them, so the data-p
 reduction still starts when a weight's gradient is complete (the buffers see ``param.grad_added_to_main_grad``).
 
 Where the buffer's dtype differs from the product's (a float32 ``main_grad`` of bf16 matmuls), the product is
-formed and then added: correct, no saving. A forward under CUDA-graph capture takes the plain path (the capture
-would freeze the Python that picks the target), as do float8 matmuls and the zero-bubble schedule's deferred
-weights (``deferred_wgrad.py`` accumulates them in its ``W`` step).
+formed and then added: correct, no saving. An eager forward under CUDA-graph capture takes the plain path (the
+capture would freeze the Python that picks the target); compiled layers inside a captured graph are refused at the
+capture with the fix (the traced backward has already left the weight out of autograd). Float8 matmuls and the
+zero-bubble schedule's deferred weights keep their own accumulation (``deferred_wgrad.py``: its ``W`` step).
 
 Under ``torch.compile`` the linear is traced into the layer's graph: its backward calls the side-effecting custom op
 ``lightning_megatron::accumulate_weight_grad``, which finds the parameter from the graph's detached alias of it.
@@ -85,6 +86,11 @@ def accumulate_weight_grad(param: torch.Tensor, inp: torch.Tensor, grad_output: 
 @torch.library.custom_op("lightning_megatron::accumulate_weight_grad", mutates_args=())
 def _accumulate_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
     """The compiled backward's accumulation (consumed at once: no copies)."""
+    if inp.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a replay would add into whatever tensor was the target at capture, and call no hook
+        raise ValueError("gradient_accumulation_fusion=True does not combine compiled layers with CUDA graphs "
+                         "(cuda_graph='partial' or 'full'): set gradient_accumulation_fusion=False, cuda_graph=None "
+                         "or compile_layers=False.")
     accumulate_weight_grad(_parameter(weight), inp, grad_output)
 
 
@@ -99,13 +105,14 @@ torch.fx.node.has_side_effect(torch.ops.lightning_megatron.accumulate_weight_gra
 
 def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward accumulates the weight's gradient itself (see the module)."""
-    if not torch.is_grad_enabled() or not weight.requires_grad or \
-            (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         b = None if bias is None else in_autocast_dtype(bias, x)
         return _TracedAccumulatingLinear.apply(in_autocast_dtype(x, x), in_autocast_dtype(weight.detach(), x), b,
                                                weight.detach())
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():   # the graph would freeze the Python that picks
+        return F.linear(x, weight, bias)                          # the target: autograd accumulates it
     return _eager_accumulating_linear(x, weight, bias)
 
 
