@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import eager_under_compile
-from .utils import in_autocast_dtype
+from .weight_grad_sink import eager_sink_linear, traced_sink_linear
 
 
 class WeightGradQueue:
@@ -157,7 +156,7 @@ torch.fx.node.has_side_effect(torch.ops.lightning_megatron.defer_weight_grad.def
 
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose weight gradient, with autograd on, is handed over by its backward
-    (``hand_over``: to the ``W`` step's queue).
+    (``hand_over``: to the ``W`` step's queue; ``weight_grad_sink.py`` has the linear).
 
     Compiled, it is traced into the graph when the output is in the autograd graph through ``x`` or the bias
     (always, in a transformer layer); a frozen input takes the eager path as a graph break.
@@ -165,72 +164,5 @@ def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        b = None if bias is None else in_autocast_dtype(bias, x)
-        return _TracedDeferredLinear.apply(in_autocast_dtype(x, x), in_autocast_dtype(weight.detach(), x), b,
-                                           weight.detach())
-    return _eager_deferrable_linear(x, weight, bias)
-
-
-@eager_under_compile   # a frozen input under compile: the throwaway leaf below is made eagerly
-def _eager_deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The eager deferring linear.
-
-    The weight is no input of the autograd graph (it travels in a tuple): a backward that reached its
-    accumulator with no gradient would still fire its post-accumulate hooks (which add ``.grad`` into the
-    buffers). When nothing else of the call needs a gradient (a frozen first layer), a throwaway leaf keeps
-    the output in the graph, so ``B`` still hands the weight's work over.
-    """
-    anchor = None
-    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
-        anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _DeferredWeightLinear.apply(x, bias, anchor, (weight,))
-
-
-def _input_and_bias_grads(ctx: Any, grad: torch.Tensor, w: torch.Tensor, x_index: int, bias_index: int
-                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``g·W`` and the sum of ``g`` over tokens, as autograd forms them for ``F.linear``."""
-    flat = grad.reshape(-1, grad.shape[-1])
-    grad_x = flat.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[x_index] else None
-    grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[bias_index] else None
-    return grad_x, grad_b
-
-
-class _DeferredWeightLinear(torch.autograd.Function):
-    """``F.linear`` whose backward gives the input and bias gradients and hands ``(weight, input, g)`` over."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
-                target: Tuple[torch.Tensor]) -> torch.Tensor:
-        weight, = target
-        # multiply in what F.linear would under autocast (dW is cast back in W)
-        w, b = in_autocast_dtype(weight, x), None if bias is None else in_autocast_dtype(bias, x)
-        x = in_autocast_dtype(x, x)
-        ctx.save_for_backward(x, w)
-        ctx.weight, ctx.has_bias = weight, bias is not None
-        return F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        x, w = ctx.saved_tensors
-        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 1)
-        hand_over(ctx.weight, x, grad)
-        return grad_x, grad_b, None, None
-
-
-class _TracedDeferredLinear(torch.autograd.Function):
-    """The same under ``torch.compile``: ``w`` is the (cast) weight detached, ``weight`` the parameter's detached
-    alias that names it to ``_owner``; the hand-over is the custom op, so the backward stays one graph."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
-                weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, w, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        x, w, weight = ctx.saved_tensors
-        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 2)
-        torch.ops.lightning_megatron.defer_weight_grad(x, grad, weight)
-        return grad_x, None, grad_b, None
+        return traced_sink_linear(x, weight, bias, torch.ops.lightning_megatron.defer_weight_grad)
+    return eager_sink_linear(x, weight, bias, hand_over)

@@ -21,15 +21,13 @@ Under ``torch.compile`` the linear is traced into the layer's graph: its backwar
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .deferred_wgrad import _input_and_bias_grads
-from .mappings import eager_under_compile
-from .utils import in_autocast_dtype
+from .weight_grad_sink import eager_sink_linear, traced_sink_linear
 
 # the modules whose weights accumulate this way, and (rebuilt from them whenever a lookup misses: after a move or
 # cast the addresses change) the data address of each weight -> the parameter
@@ -104,60 +102,12 @@ torch.fx.node.has_side_effect(torch.ops.lightning_megatron.accumulate_weight_gra
 
 
 def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose backward accumulates the weight's gradient itself (see the module)."""
+    """``F.linear(x, weight, bias)`` whose backward accumulates the weight's gradient itself (see the module;
+    ``weight_grad_sink.py`` has the linear)."""
     if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        b = None if bias is None else in_autocast_dtype(bias, x)
-        return _TracedAccumulatingLinear.apply(in_autocast_dtype(x, x), in_autocast_dtype(weight.detach(), x), b,
-                                               weight.detach())
+        return traced_sink_linear(x, weight, bias, torch.ops.lightning_megatron.accumulate_weight_grad)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():   # the graph would freeze the Python that picks
         return F.linear(x, weight, bias)                          # the target: autograd accumulates it
-    return _eager_accumulating_linear(x, weight, bias)
-
-
-@eager_under_compile   # a frozen input under compile: the throwaway leaf below is made eagerly
-def _eager_accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The eager path: the weight travels in a tuple (no autograd edge, so ``AccumulateGrad`` does not add it again);
-    a throwaway leaf keeps a frozen input's output in the graph."""
-    anchor = None
-    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
-        anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _AccumulatingLinear.apply(x, bias, anchor, (weight,))
-
-
-class _AccumulatingLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
-                target: Tuple[torch.Tensor]) -> torch.Tensor:
-        weight, = target
-        w, b = in_autocast_dtype(weight, x), None if bias is None else in_autocast_dtype(bias, x)
-        x = in_autocast_dtype(x, x)
-        ctx.save_for_backward(x, w)
-        ctx.weight, ctx.has_bias = weight, bias is not None
-        return F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        x, w = ctx.saved_tensors
-        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 1)
-        accumulate_weight_grad(ctx.weight, x, grad)
-        return grad_x, grad_b, None, None
-
-
-class _TracedAccumulatingLinear(torch.autograd.Function):
-    """Under ``torch.compile``: ``w`` the (cast) weight detached, ``weight`` the parameter's detached alias."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
-                weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, w, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        x, w, weight = ctx.saved_tensors
-        grad_x, grad_b = _input_and_bias_grads(ctx, grad, w, 0, 2)
-        torch.ops.lightning_megatron.accumulate_weight_grad(x, grad, weight)
-        return grad_x, None, grad_b, None
+    return eager_sink_linear(x, weight, bias, accumulate_weight_grad)

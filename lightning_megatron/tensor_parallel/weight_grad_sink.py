@@ -1,0 +1,98 @@
+"""Linears whose weight gradient goes to a sink of their own instead of autograd.
+
+``F.linear``'s backward forms the input and bias gradients, which autograd passes on, and the weight gradient
+``dW = gᵀ·x``. Two features take ``dW``'s operands out of autograd: the zero-bubble schedule queues them for its
+``W`` step (``deferred_wgrad.py``), gradient-accumulation fusion adds the product into the parameter's gradient
+in one GEMM (``grad_accumulation.py``). Both need the same linear, given the sink:
+
+- eager: an autograd function that holds the weight in a tuple (no autograd edge: ``AccumulateGrad`` must not
+  add it again) and calls ``sink(parameter, input, grad_output)`` in its backward; a throwaway leaf keeps a
+  frozen input's output in the graph (a frozen first layer still hands its weight's work over);
+- under ``torch.compile``: traced into the layer's graph, the weight passed detached, its backward calling the
+  feature's side-effecting custom op ``op(input, grad_output, weight_alias)``, which finds the parameter from the
+  alias. The graph keeps its own autograd edge to the weight, which reaches the weight's accumulator with no
+  gradient: its post-accumulate hooks are called there once without a new gradient (the data-parallel buffers
+  ignore such a call, ``distributed/data_parallel.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .mappings import eager_under_compile
+from .utils import in_autocast_dtype
+
+#: ``(parameter, input, grad_output) -> None``: where the eager path's weight-gradient operands go
+WeightGradSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def input_and_bias_grads(ctx: Any, grad: torch.Tensor, w: torch.Tensor, x_index: int, bias_index: int
+                         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``g·W`` and the sum of ``g`` over tokens, as autograd forms them for ``F.linear``."""
+    flat = grad.reshape(-1, grad.shape[-1])
+    grad_x = flat.mm(w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[x_index] else None
+    grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[bias_index] else None
+    return grad_x, grad_b
+
+
+def traced_sink_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], op: Any) -> torch.Tensor:
+    """The compiled path (call it while ``torch.compiler.is_compiling()`` and ``x`` or the bias needs a gradient)."""
+    b = None if bias is None else in_autocast_dtype(bias, x)
+    out: torch.Tensor = _TracedSinkLinear.apply(in_autocast_dtype(x, x), in_autocast_dtype(weight.detach(), x), b,
+                                                weight.detach(), op)
+    return out
+
+
+@eager_under_compile   # a frozen input under compile: the throwaway leaf below is made eagerly
+def eager_sink_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      sink: WeightGradSink) -> torch.Tensor:
+    """The eager path (see the module)."""
+    anchor = None
+    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
+    out: torch.Tensor = _EagerSinkLinear.apply(x, bias, anchor, (weight,), sink)
+    return out
+
+
+class _EagerSinkLinear(torch.autograd.Function):
+    """``F.linear`` whose backward gives the input and bias gradients and ``(weight, input, g)`` to the sink."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
+                target: Tuple[torch.Tensor], sink: WeightGradSink) -> torch.Tensor:
+        weight, = target
+        # multiply in what F.linear would under autocast (the sink casts dW back)
+        w, b = in_autocast_dtype(weight, x), None if bias is None else in_autocast_dtype(bias, x)
+        x = in_autocast_dtype(x, x)
+        ctx.save_for_backward(x, w)
+        ctx.weight, ctx.has_bias, ctx.sink = weight, bias is not None, sink
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        x, w = ctx.saved_tensors
+        grad_x, grad_b = input_and_bias_grads(ctx, grad, w, 0, 1)
+        ctx.sink(ctx.weight, x, grad)
+        return grad_x, grad_b, None, None, None
+
+
+class _TracedSinkLinear(torch.autograd.Function):
+    """The same under ``torch.compile``: ``w`` is the (cast) weight detached, ``weight`` the parameter's detached
+    alias; the hand-over is the custom op ``op``, so the backward stays one graph."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                weight: torch.Tensor, op: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, w, weight)
+        ctx.has_bias, ctx.op = bias is not None, op
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        x, w, weight = ctx.saved_tensors
+        grad_x, grad_b = input_and_bias_grads(ctx, grad, w, 0, 2)
+        ctx.op(x, grad, weight)
+        return grad_x, None, grad_b, None, None
