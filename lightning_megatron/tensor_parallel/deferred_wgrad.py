@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weight_grad_sink import eager_sink_linear, traced_sink_linear
+from .weight_grad_sink import define_sink_op, eager_sink_linear, traced_sink_linear
 
 
 class WeightGradQueue:
@@ -139,19 +139,12 @@ def _owner(weight: torch.Tensor) -> torch.Tensor:
     return param
 
 
-@torch.library.custom_op("lightning_megatron::defer_weight_grad", mutates_args=())
 def _defer_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
     """The compiled backward's hand-over (copies: inductor may reuse the graph's buffers once this returns)."""
     hand_over(_owner(weight), inp.clone(), grad_output.clone())
 
 
-@_defer_weight_grad.register_fake
-def _(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
-    return None
-
-
-# it returns nothing: without this, dead-code elimination drops it from the backward graph
-torch.fx.node.has_side_effect(torch.ops.lightning_megatron.defer_weight_grad.default)
+_DEFER_OP = define_sink_op("defer_weight_grad", _defer_weight_grad)
 
 
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -164,5 +157,5 @@ def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return traced_sink_linear(x, weight, bias, torch.ops.lightning_megatron.defer_weight_grad)
+        return traced_sink_linear(x, weight, bias, _DEFER_OP)
     return eager_sink_linear(x, weight, bias, hand_over)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weight_grad_sink import eager_sink_linear, traced_sink_linear
+from .weight_grad_sink import define_sink_op, eager_sink_linear, traced_sink_linear
 
 # the modules whose weights accumulate this way, and (rebuilt from them whenever a lookup misses: after a move or
 # cast the addresses change) the data address of each weight -> the parameter
@@ -81,7 +81,6 @@ def accumulate_weight_grad(param: torch.Tensor, inp: torch.Tensor, grad_output: 
         hook(param)
 
 
-@torch.library.custom_op("lightning_megatron::accumulate_weight_grad", mutates_args=())
 def _accumulate_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
     """The compiled backward's accumulation (consumed at once: no copies)."""
     if inp.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -92,13 +91,7 @@ def _accumulate_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight
     accumulate_weight_grad(_parameter(weight), inp, grad_output)
 
 
-@_accumulate_weight_grad.register_fake
-def _(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
-    return None
-
-
-# it returns nothing: without this, dead-code elimination drops it from the backward graph
-torch.fx.node.has_side_effect(torch.ops.lightning_megatron.accumulate_weight_grad.default)
+_ACCUMULATE_OP = define_sink_op("accumulate_weight_grad", _accumulate_weight_grad)
 
 
 def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -107,7 +100,7 @@ def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return traced_sink_linear(x, weight, bias, torch.ops.lightning_megatron.accumulate_weight_grad)
+        return traced_sink_linear(x, weight, bias, _ACCUMULATE_OP)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():   # the graph would freeze the Python that picks
         return F.linear(x, weight, bias)                          # the target: autograd accumulates it
     return eager_sink_linear(x, weight, bias, accumulate_weight_grad)
