@@ -26,7 +26,8 @@ Under ``torch.compile`` (compiled layers) a marked linear is traced into the lay
 break: its backward hands its operands over through a side-effecting custom op
 (``lightning_megatron::defer_weight_grad``), which copies them, since inductor may reuse an intermediate's memory
 once its last op in the graph has run. The copies cost one read and write of each operand (the eager path keeps
-the tensors themselves); the parameter is found again from the weight the graph passes (``_owner``). The compiled
+the tensors themselves); the parameter is found again from the weight the graph passes (``_owner``; a move
+or cast of the model since is found by the lookup itself). The compiled
 graph keeps its own autograd edge to the weight, which reaches the weight's accumulator in ``B`` with no gradient:
 its post-accumulate hooks are called there once without a new gradient (the data-parallel buffers ignore such a
 call, ``distributed/data_parallel.py``), and again with it in ``W``.
@@ -37,7 +38,6 @@ is what its backward saved anyway; under sequence parallelism that is the all-ga
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weight_grad_sink import define_sink_op, eager_sink_linear, traced_sink_linear
+from .weight_grad_sink import (define_sink_op, eager_sink_linear, register_sink_weight, sink_parameter,
+                               traced_sink_linear)
 
 
 class WeightGradQueue:
@@ -106,37 +107,21 @@ def hand_over(weight: torch.Tensor, inp: torch.Tensor, grad_output: torch.Tensor
         torch.autograd.backward(weight, weight_grad(inp, grad_output).to(weight.dtype))
 
 
-# data address of a marked linear's weight -> the parameter (the compiled path passes the graph's alias of it)
-_OWNERS: Dict[int, "weakref.ReferenceType[torch.Tensor]"] = {}
-
-
 def enable_deferred_weight_grads(module: nn.Module) -> int:
     """Mark every column-/row-parallel linear of ``module`` (those with a ``defer_weight_grad`` switch; see the
-    module doc); returns how many."""
-    for address in [a for a, ref in _OWNERS.items() if ref() is None]:   # parameters gone since
-        del _OWNERS[address]
+    module doc) and register their weights for the compiled path's lookup; returns how many."""
     marked = 0
     for layer in module.modules():
         if isinstance(getattr(layer, "defer_weight_grad", None), bool):
             setattr(layer, "defer_weight_grad", True)
-            weight = getattr(layer, "weight", None)
-            if isinstance(weight, torch.Tensor):
-                _OWNERS[weight.data_ptr()] = weakref.ref(weight)
+            register_sink_weight(layer)
             marked += 1
     return marked
 
 
 def _owner(weight: torch.Tensor) -> torch.Tensor:
     """The parameter ``weight`` is (eager) or aliases (compiled: the graph's detached copy of it)."""
-    if weight.is_leaf and weight.requires_grad:
-        return weight
-    ref = _OWNERS.get(weight.data_ptr())
-    param = None if ref is None else ref()
-    if param is None or param.shape != weight.shape or param.data_ptr() != weight.data_ptr():
-        raise RuntimeError(f"a deferring linear's weight (shape {tuple(weight.shape)}) is not a parameter "
-                           f"enable_deferred_weight_grads marked (or it moved since): call it again on the model "
-                           f"after moving it.")
-    return param
+    return sink_parameter(weight, "enable_deferred_weight_grads")
 
 
 def _defer_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> None:

@@ -15,50 +15,18 @@ capture with the fix (the traced backward has already left the weight out of aut
 zero-bubble schedule's deferred weights keep their own accumulation (``deferred_wgrad.py``: its ``W`` step).
 
 Under ``torch.compile`` the linear is traced into the layer's graph: its backward calls the side-effecting custom op
-``lightning_megatron::accumulate_weight_grad``, which finds the parameter from the graph's detached alias of it.
+``lightning_megatron::accumulate_weight_grad``, which finds the parameter from the graph's detached alias of it
+(the linears register their weights at construction: ``weight_grad_sink.register_sink_weight``).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .weight_grad_sink import define_sink_op, eager_sink_linear, traced_sink_linear
-
-# the modules whose weights accumulate this way, and (rebuilt from them whenever a lookup misses: after a move or
-# cast the addresses change) the data address of each weight -> the parameter
-_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-_BY_ADDRESS: Dict[int, "weakref.ReferenceType[torch.Tensor]"] = {}
-
-
-def register_fused_weight(module: nn.Module) -> None:
-    """``module.weight`` accumulates its gradient in its GEMM (the linears call it at construction)."""
-    _MODULES.add(module)
-
-
-def _parameter(alias: torch.Tensor) -> torch.Tensor:
-    """The registered parameter that ``alias`` is (eager) or shares memory with (compiled: the graph's detached
-    copy)."""
-    if alias.is_leaf and alias.requires_grad:
-        return alias
-    for attempt in range(2):
-        ref = _BY_ADDRESS.get(alias.data_ptr())
-        param = None if ref is None else ref()
-        if param is not None and param.shape == alias.shape and param.data_ptr() == alias.data_ptr():
-            return param
-        if attempt == 0:   # moved or cast since the last lookup: the addresses again
-            _BY_ADDRESS.clear()
-            for module in list(_MODULES):
-                weight = getattr(module, "weight", None)
-                if isinstance(weight, torch.Tensor):
-                    _BY_ADDRESS[weight.data_ptr()] = weakref.ref(weight)
-    raise RuntimeError(f"a gradient-accumulating linear's weight (shape {tuple(alias.shape)}) belongs to no "
-                       f"registered linear (register_fused_weight).")
-
+from .weight_grad_sink import define_sink_op, eager_sink_linear, sink_parameter, traced_sink_linear
 
 def accumulate_weight_grad(param: torch.Tensor, inp: torch.Tensor, grad_output: torch.Tensor) -> None:
     """``param``'s gradient += ``grad_outputᵀ · inp`` (flattened), in ``main_grad`` if it has one, else in ``.grad``
@@ -88,7 +56,7 @@ def _accumulate_weight_grad(inp: torch.Tensor, grad_output: torch.Tensor, weight
         raise ValueError("gradient_accumulation_fusion=True does not combine compiled layers with CUDA graphs "
                          "(cuda_graph='partial' or 'full'): set gradient_accumulation_fusion=False, cuda_graph=None "
                          "or compile_layers=False.")
-    accumulate_weight_grad(_parameter(weight), inp, grad_output)
+    accumulate_weight_grad(sink_parameter(weight, "gradient_accumulation_fusion=True"), inp, grad_output)
 
 
 _ACCUMULATE_OP = define_sink_op("accumulate_weight_grad", _accumulate_weight_grad)

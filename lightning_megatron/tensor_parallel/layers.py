@@ -32,9 +32,10 @@ from .mappings import (
 from .column_backward import column_parallel_linear
 from .comm_overlap import all_gather_linear, linear_reduce_scatter
 from .deferred_wgrad import deferrable_linear
-from .grad_accumulation import accumulating_linear, register_fused_weight
+from .grad_accumulation import accumulating_linear
 from .token_ids import check_ids_in_vocab
 from .utils import divide, set_tensor_model_parallel_attributes, vocab_range
+from .weight_grad_sink import register_sink_weight
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -105,7 +106,7 @@ class _TensorParallelLinear(_TensorParallelModule):
     def _fuse_grad_accumulation(self, enabled: bool) -> None:
         self.accumulate_weight_grads = enabled
         if enabled:
-            register_fused_weight(self)
+            register_sink_weight(self)
 
     def _overlapped(self) -> bool:
         """Whether this forward takes the overlapped path; float8 and deferred weight gradients refuse it."""

@@ -10,17 +10,19 @@ in one GEMM (``grad_accumulation.py``). Both need the same linear, given the sin
   frozen input's output in the graph (a frozen first layer still hands its weight's work over);
 - under ``torch.compile``: traced into the layer's graph, the weight passed detached, its backward calling the
   feature's side-effecting custom op ``op(input, grad_output, weight_alias)``, which finds the parameter from the
-  alias. The graph keeps its own autograd edge to the weight, which reaches the weight's accumulator with no
+  alias (``sink_parameter``: among the linears registered with ``register_sink_weight``). The graph keeps its own autograd edge to the weight, which reaches the weight's accumulator with no
   gradient: its post-accumulate hooks are called there once without a new gradient (the data-parallel buffers
   ignore such a call, ``distributed/data_parallel.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .mappings import eager_under_compile
 from .utils import in_autocast_dtype
@@ -31,6 +33,37 @@ WeightGradSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # the compiled path's ops, defined with the low-level library API: a call costs ~2 us of host time where
 # ``torch.library.custom_op``'s wrappers cost ~9 us (one call per linear per micro-batch in every backward)
 _LIBRARY = torch.library.Library("lightning_megatron", "FRAGMENT")
+
+
+# the linears whose weight a compiled backward may pass to a sink op (as the graph's detached alias), and, rebuilt
+# from them whenever a lookup misses (a move or a cast changes the addresses), each weight by its data address
+_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_BY_ADDRESS: Dict[int, "weakref.ReferenceType[torch.Tensor]"] = {}
+
+
+def register_sink_weight(module: nn.Module) -> None:
+    """``module.weight`` may reach a sink op through a compiled graph (idempotent)."""
+    _MODULES.add(module)
+
+
+def sink_parameter(alias: torch.Tensor, registered_by: str) -> torch.Tensor:
+    """The parameter ``alias`` is (eager) or shares memory with (compiled: the graph's detached copy), among the
+    registered linears' weights; ``registered_by`` names what registers them, for the error."""
+    if alias.is_leaf and alias.requires_grad:
+        return alias
+    for attempt in range(2):
+        ref = _BY_ADDRESS.get(alias.data_ptr())
+        param = None if ref is None else ref()
+        if param is not None and param.shape == alias.shape and param.data_ptr() == alias.data_ptr():
+            return param
+        if attempt == 0:   # moved or cast since the last lookup: the addresses again
+            _BY_ADDRESS.clear()
+            for module in list(_MODULES):
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, torch.Tensor):
+                    _BY_ADDRESS[weight.data_ptr()] = weakref.ref(weight)
+    raise RuntimeError(f"a linear's weight (shape {tuple(alias.shape)}) reached a compiled weight-gradient op but "
+                       f"belongs to no linear {registered_by} registered.")
 
 
 def define_sink_op(name: str, body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> Any:

@@ -241,6 +241,8 @@ def test_the_compiled_path_finds_the_parameter_behind_the_graphs_alias():
     marked.defer_weight_grad = False
     enable_deferred_weight_grads(marked)
     assert _owner(marked.weight) is marked.weight and _owner(marked.weight.detach()) is marked.weight
+    marked.double()   # a cast (or a move) gives the weight new memory: the lookup finds it there too
+    assert _owner(marked.weight.detach()) is marked.weight
     with pytest.raises(RuntimeError, match="enable_deferred_weight_grads"):
         _owner(stray.weight.detach())
 
