@@ -209,8 +209,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_automatic_optimization(self.lightning_module)
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
-        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size,
-                             self.graph_config.cuda_graph)
+        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size)
         report_pipeline_layout(self.lightning_module, self._state())
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)

@@ -53,8 +53,7 @@ def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any
                      f"run them eagerly; compile on CUDA devices only) or a dict of torch.compile keywords.")
 
 
-def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int = 1,
-                           cuda_graph: Optional[str] = None) -> Optional[Dict[str, Any]]:
+def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int = 1) -> Optional[Dict[str, Any]]:
     """The ``torch.compile`` keywords to compile the layers with, or None (eager).
 
     ``"auto"`` compiles where it measured faster: on CUDA devices at context-parallel size 1 (benchmarks/RESULTS.md;
@@ -63,8 +62,7 @@ def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int =
     BERT-base under ``cuda_graph="full"`` measured 1.08x eager layers in the graph). At cp > 1 compiled layers
     equal eager on GPUs but measured slower (the Llama-1B shape at cp2: 594.9 vs 471.6 ms a step), so
     ``"auto"`` runs them eagerly there; ``True`` or keywords compile at every layout. On the CPU ``"auto"`` does
-    not compile (compiling costs more than it saves for the CPU's tiny test models). ``cuda_graph`` no longer
-    changes the choice (kept for callers)."""
+    not compile (compiling costs more than it saves for the CPU's tiny test models)."""
     value = check_compile_layers(value)
     if value == "auto":
         return {} if device.type == "cuda" and cp == 1 else None
@@ -117,11 +115,10 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     return len(layers)
 
 
-def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
-                         cuda_graph: Optional[str] = None) -> int:
+def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1) -> int:
     """The strategy's ``compile_layers`` switch on ``model`` for ``device`` and the layout (see
     :func:`resolve_compile_layers`): how many layers it compiled."""
-    kwargs = resolve_compile_layers(setting, device, cp, cuda_graph)
+    kwargs = resolve_compile_layers(setting, device, cp)
     return 0 if kwargs is None else compile_layers(model, **kwargs)
 
 
