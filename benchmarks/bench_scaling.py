@@ -397,7 +397,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny models (a dry run of the machinery)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
     parser.add_argument("--json", default=None, help="also write every result to this file")
+    parser.add_argument("--tables-from", default=None, help="print the tables of a --json file and stop")
     args = parser.parse_args()
+    if args.tables_from:
+        with open(args.tables_from) as f:
+            saved = json.load(f)
+        print(tables(saved["results"], args.tiny, saved["peak"]))
+        return
     known = {layout.name: layout for layout in layouts(args.gpus)}
     if os.environ.get("BENCH_SCALING_LAYOUT"):   # one configuration's process (see launch)
         run_layout(known[os.environ["BENCH_SCALING_LAYOUT"]], args.accelerator, args.tiny,
@@ -419,9 +425,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for layout in chosen:
             results[layout.name] = launch(layout, args, os.path.join(tmp, layout.name + ".json"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            if args.json:   # after every configuration: a call cut short keeps what it measured (--tables-from)
+                with open(args.json, "w") as f:
+                    json.dump({"peak": peak, "results": results}, f, indent=1)
     print(tables(results, args.tiny, peak))
 
 

@@ -16,7 +16,7 @@ def test_scaling_benchmark_dry_run_on_cpu(tmp_path):
                            "--timeout", "240", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = json.loads(out.read_text())["results"]
     assert set(results) == {"gpt-1gpu", "gpt-pp2-vpp2-m4"} and None not in results.values(), done.stdout
     one, pipeline = results["gpt-1gpu"], results["gpt-pp2-vpp2-m4"]
     assert pipeline["layout"]["pp"] == 2 and pipeline["layout"]["vpp"] == 2
@@ -24,6 +24,10 @@ def test_scaling_benchmark_dry_run_on_cpu(tmp_path):
     # the same 8 sequences a step in both layouts (2 x 4 on one process, 4 x 2 through the pipeline), float32
     assert abs(one["final_loss"] - pipeline["final_loss"]) < 1e-4, (one["final_loss"], pipeline["final_loss"])
     assert "| gpt-pp2-vpp2-m4 | 4 |" in done.stdout
+    # a call cut short keeps its results: the tables print again from the file alone
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--tiny",
+                            "--tables-from", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "| gpt-pp2-vpp2-m4 | 4 |" in again.stdout, again.stderr[-2000:]
 
 
 def test_moe_echo_and_skew_layouts_dry_run_on_cpu(tmp_path):
@@ -35,7 +39,7 @@ def test_moe_echo_and_skew_layouts_dry_run_on_cpu(tmp_path):
                            "--tiny", "--accelerator", "cpu", "--only", names, "--timeout", "240", "--json", str(out)],
                           capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = json.loads(out.read_text())["results"]
     assert set(results) == set(names.split(",")) and None not in results.values(), done.stdout
     balanced, skewed, echo = (results[n]["final_loss"] for n in names.split(","))
     assert results["moe-ep2-skew-echo"]["layout"]["spare"] == 1 and results["moe-ep2-skew"]["layout"]["skew"] > 0
