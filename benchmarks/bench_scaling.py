@@ -18,7 +18,7 @@ per-micro-batch stage compute, the slowest stage's, times (m + p - 1) - the bubb
     python benchmarks/bench_scaling.py --gpus 2                   # every configuration for 2 GPUs, then tables
     python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe, balance, cp
     python benchmarks/bench_scaling.py --gpus 2 --tiny --accelerator cpu   # dry run of the machinery (gloo)
-    BENCH_SCALING_GAPS=1 python benchmarks/bench_scaling.py --gpus 2 --only llama-pp2-m8   # + each rank's idle gaps
+    BENCH_SCALING_GAPS=1 python benchmarks/bench_scaling.py --gpus 2 --only llama-pp2-m8   # + idle gaps, top kernels
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from timing import gpu_busy_ms, idle_gaps   # benchmarks/timing.py (this folder is on sys.path when run as a script)
+from timing import gpu_busy_ms, idle_gaps, kernel_ms_by_name   # benchmarks/timing.py (this folder is on sys.path when run as a script)
 
 NOMINAL_PEAK = 790e12
 GPT = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
@@ -214,7 +214,8 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                 marks["profiler"].__exit__(None, None, None)
                 marks["compute_ms"] = gpu_busy_ms(marks["profiler"], PROFILED, skip=("nccl",))
                 if os.environ.get("BENCH_SCALING_GAPS") == "1":   # where each rank's GPU waits, per step
-                    marks["gaps"] = idle_gaps(marks["profiler"], PROFILED, at_least_us=100.0)
+                    marks["gaps"] = dict(idle_gaps(marks["profiler"], PROFILED, at_least_us=100.0),
+                                         kernels_ms=kernel_ms_by_name(marks["profiler"], PROFILED))
 
     strategy = MegatronStrategy(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                 virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,

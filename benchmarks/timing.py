@@ -79,6 +79,16 @@ def idle_gaps(prof, steps: int, at_least_us: float = 20.0) -> dict:
             "idle_gaps_ms (count, ms per step)": {k: (c // steps, round(t / 1e3 / steps, 2)) for k, (c, t) in top}}
 
 
+def kernel_ms_by_name(prof, steps: int, top: int = 25, width: int = 60) -> dict:
+    """GPU milliseconds per step of the ``top`` kernels (names cut to ``width``, summed over each name): to
+    compare two configurations kernel by kernel, e.g. which kernels a concurrent collective slows down."""
+    totals: dict = {}
+    for name, start, stop in gpu_kernels(prof):
+        totals[name[:width]] = totals.get(name[:width], 0.0) + (stop - start)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {name: round(us / 1e3 / steps, 2) for name, us in ranked}
+
+
 def cuda_api_by_thread(prof, top: int = 8) -> dict:
     """Per host thread, the CUDA runtime/driver calls that took longest in total under ``prof``: ``{thread:
     {call: (count, total ms, longest ms)}}``. A call that waits for another thread's work (a copy engine, a
