@@ -7,6 +7,11 @@ forward order: last bucket first) and each module waits, in a forward pre-hook, 
 buckets holding its own parameters, so the gather of later layers overlaps the forward of earlier
 ones. A parameter read outside its owner's forward before then would be stale: call ``finish()``
 before reading parameters directly (checkpoints, evaluation code that bypasses ``forward``).
+
+A module whose class sets ``wait_for_params_as_one = True`` (the transformer layer) waits once, before its
+own forward, for every parameter below it, and its submodules wait for nothing: its bodies may be compiled or
+CUDA-graphed, and a wait inside them would split the compiled graph at every norm and linear (the GPT-1.3B
+step at DP4 ran its norms, GeLU and concatenations eagerly for it) or be skipped by a graph replay.
 """
 
 from __future__ import annotations
@@ -61,11 +66,14 @@ class ParamGather:
                 id(p): (pb, pb.grads.bucket_of[id(p)]) for pb in self.buffers for p in pb.grads.params}
             seen = set()
             for root in modules:
-                for module in root.modules():
+                for module in root.modules():   # parents before their children
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    mine = {id(b): (pb, b) for p in module.parameters(recurse=False)
+                    as_one = getattr(module, "wait_for_params_as_one", False)
+                    if as_one:
+                        seen.update(id(m) for m in module.modules())
+                    mine = {id(b): (pb, b) for p in module.parameters(recurse=as_one)
                             if id(p) in where for pb, b in [where[id(p)]]}
                     if mine:
                         self._hooks.append(module.register_forward_pre_hook(_waiter(list(mine.values()))))

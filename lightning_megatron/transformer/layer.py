@@ -52,6 +52,9 @@ class TransformerLayer(nn.Module):
     """
 
     GRAPHED_CALLS = ("forward", "attention_block", "mlp_block")
+    # overlap_param_gather waits for the whole layer's parameters before its forward, not inside its
+    # (compiled, graphed) bodies: distributed/param_buffer.py
+    wait_for_params_as_one = True
 
     def __init__(self, config: TransformerConfig, layer_number: int, mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
