@@ -52,6 +52,11 @@ DENSE = {
                                   cuda_graph_backend="eager")),
     "dp2pp2-distopt-gather": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                                       use_distributed_optimizer=True, overlap_param_gather=True)),
+    # per-layer graphs with overlapped gathers (the layer waits before its body, param_buffer.py; the eager backend
+    # runs the submodules, so only a GPU replay would skip their hooks)
+    "dp2-partial-graphs-distopt-gather": (2, dict(micro_batch_size=2, cuda_graph="partial", cuda_graph_backend="eager",
+                                                  use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                                  overlap_param_gather=True, **SMALL_BUCKETS)),
     # sequence-parallel communication overlapped with the GEMMs (a ring of chunks)
     "tp2sp-commoverlap": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)),
     "tp2pp2sp-distopt-commoverlap": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
