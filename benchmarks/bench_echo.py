@@ -40,7 +40,8 @@ def _case(args, skew: float, spare: int, device: torch.device, dtype: torch.dtyp
     ep = dist.get_world_size()
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_experts=args.experts, topk=args.topk,
-                    enable_expert_bias=True, num_spare_experts_per_ep_rank=spare)
+                    enable_expert_bias=True, num_spare_experts_per_ep_rank=spare,
+                    **({} if args.tolerance is None else {"echo_tolerance": args.tolerance}))
     layer = MoELayer(cfg, params_dtype=dtype, device=device)
     with torch.no_grad():
         layer.router.expert_bias[: args.experts // ep] = skew
@@ -191,6 +192,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.2, 0.5, 1.0])
     parser.add_argument("--spares", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="MoEConfig.echo_tolerance (default: MoEConfig's; 0: offload every imbalance, as before)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smoke", action="store_true")

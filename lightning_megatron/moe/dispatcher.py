@@ -61,6 +61,7 @@ class DispatchMetadata:
     sort_index: Optional[Tensor] = None       # received rows -> expert-major order
     splits: Optional[Dict[str, List[int]]] = None  # host row counts of the collectives
     spare_homes: Optional[Tensor] = None      # ECHO: [ep·k] home expert of each spare slot (-1 unused)
+    spare_slots_used: Optional[bool] = None   # ECHO: whether any slot is used, read at dispatch (None: not read)
     token_order: Optional[Tensor] = None      # dropless top-k: the T·k rows listed token by token
     token_rows: Optional[Tensor] = None       # permute kernels: [T, E] each token's rows, -1 after the last
 
@@ -158,7 +159,12 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         assert m.counts is not None   # dropless: preprocess gathered the counts
         rows = m.counts.view(etp, ep, ep, n_local).sum(dim=-1)      # [etp q, ep src j, ep dst p]
         q, p = self.etp_rank, self.ep_rank
-        host = torch.cat([rows[q, p], rows[q, :, p], rows[:, :, p].sum(dim=1)]).tolist()  # the one sync
+        parts = [rows[q, p], rows[q, :, p], rows[:, :, p].sum(dim=1)]
+        if m.spare_homes is not None:   # ECHO: whether any spare slot is used, read in the same sync
+            parts.append(m.spare_homes.to(rows.dtype).max().view(1))
+        host = torch.cat(parts).tolist()  # the one sync
+        if m.spare_homes is not None:
+            m.spare_slots_used = host.pop() >= 0
         return {"send": host[:ep], "recv": host[ep:2 * ep], "gathered": host[2 * ep:]}
 
     def dispatch(self, hidden: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:

@@ -37,6 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "gen_intermediate",
+    "tolerance_per_mille",
     "one_shot_greedy_assignment",
     "gen_assignment",
     "breadth_first_allocation",
@@ -118,10 +119,18 @@ def _check_counts(count_tokens_per_expert_from_ep_rank: Tensor, num_ep_ranks: in
 # --------------------------------------------------------------------------- planner
 
 
+def tolerance_per_mille(tolerance: float) -> int:
+    """``tolerance`` (a fraction of the mean load, >= 0) in whole per-mille: the planner's integer arithmetic."""
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be a fraction >= 0 of the mean load, got {tolerance!r}.")
+    return int(round(tolerance * 1000))
+
+
 def gen_intermediate(
     count_tokens_per_expert_from_ep_rank: Tensor,
     ep_rank: Tensor | int | None = None,
     num_ep_ranks: int | None = None,
+    tolerance: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Spillover per home expert and spare capacity per EP rank.
 
@@ -132,6 +141,9 @@ def gen_intermediate(
         ep_rank: ignored; accepted for Megatron-Core's positional signature. The
             result does not depend on it, which is why all ranks agree.
         num_ep_ranks: ``R``; defaults to the number of rows.
+        tolerance: an EP rank spills only its load above ``limit = avg + avg * tolerance``
+            (in whole per-mille, integer arithmetic): imbalance within it is left alone, and routing
+            within it everywhere uses no spare slot (so no expert weights move). 0: spill above ``avg``.
 
     Returns:
         ``(count_spillover_per_home_expert [E], capacity_spare_per_ep_rank [R],
@@ -139,19 +151,20 @@ def gen_intermediate(
         rank's capacity. ``spare = relu(avg - load)``. Within each rank, experts
         are sorted ascending so light experts keep their tokens and heavy ones spill
         (stable sort: equal counts spill from the higher index). Per rank, the
-        spillover sums to ``relu(load - avg)``.
+        spillover sums to ``relu(load - limit)``.
     """
     num_ep_ranks = _check_counts(count_tokens_per_expert_from_ep_rank, num_ep_ranks)
     count_tokens_per_expert = count_tokens_per_expert_from_ep_rank.long().sum(dim=0)
     count_tokens_per_local_expert = count_tokens_per_expert.view(num_ep_ranks, -1)
     count_tokens_per_ep_rank = count_tokens_per_local_expert.sum(dim=1)
     avg_tokens_per_ep_rank = count_tokens_per_ep_rank.sum() // num_ep_ranks
+    limit = avg_tokens_per_ep_rank + avg_tokens_per_ep_rank * tolerance_per_mille(tolerance) // 1000
 
     deviation = count_tokens_per_ep_rank - avg_tokens_per_ep_rank
     capacity_spare_per_ep_rank = torch.relu(-deviation)
 
     count_tokens_sorted, indices_sorted = count_tokens_per_local_expert.sort(dim=1, stable=True)
-    count_spillover_sorted = _spillover_in_order(count_tokens_sorted, avg_tokens_per_ep_rank)
+    count_spillover_sorted = _spillover_in_order(count_tokens_sorted, limit)
     count_spillover = torch.zeros_like(count_spillover_sorted).scatter_(1, indices_sorted, count_spillover_sorted)
     return count_spillover.view(-1), capacity_spare_per_ep_rank, avg_tokens_per_ep_rank
 
@@ -211,6 +224,7 @@ def gen_assignment(
     ep_rank: Tensor | int | None = None,
     num_ep_ranks: int | None = None,
     num_spare_experts_per_ep_rank: int = 1,
+    tolerance: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """How many tokens each home expert offloads to each spare slot.
 
@@ -227,7 +241,8 @@ def gen_assignment(
     """
     if num_spare_experts_per_ep_rank < 1:
         raise ValueError("num_spare_experts_per_ep_rank must be >= 1")
-    count_spillover, capacity_spare, _ = gen_intermediate(count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks)
+    count_spillover, capacity_spare, _ = gen_intermediate(count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks,
+                                                          tolerance)
     assignment = _match_spillover_to_spare_slots(count_spillover, capacity_spare, num_spare_experts_per_ep_rank)
     return assignment, count_spillover, capacity_spare
 
@@ -422,6 +437,7 @@ def gen_offloading_plan(
     ep_rank: Tensor | int,
     num_ep_ranks: int,
     num_spare_experts_per_ep_rank: int = 1,
+    tolerance: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Plan ECHO offloading and apply it to this EP rank's routing.
 
@@ -435,6 +451,7 @@ def gen_offloading_plan(
         ep_rank: this rank's row in that matrix (int or 0-dim device tensor).
         num_ep_ranks: ``R``.
         num_spare_experts_per_ep_rank: ``k`` spare slots per EP rank.
+        tolerance: imbalance left alone, as in ``gen_intermediate``.
 
     Returns:
         ``(rerouted_routing_map [T, E + R*k] bool, rerouted_probs [T, E + R*k],
@@ -445,7 +462,7 @@ def gen_offloading_plan(
         computes them identically; the rerouted map and probs are this rank's own.
     """
     plan = plan_token_moves(map_token_to_expert, count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks,
-                            num_spare_experts_per_ep_rank)
+                            num_spare_experts_per_ep_rank, tolerance)
     probs = reroute_probs(probs_routing, plan.moves.moved, plan.moves.moved_from_home, plan.moves.home_index)
     return (
         interleave_spare_slots(plan.moves.routing_map, num_ep_ranks, num_spare_experts_per_ep_rank),
@@ -465,11 +482,12 @@ def plan_token_moves(
     ep_rank: Tensor | int,
     num_ep_ranks: int,
     num_spare_experts_per_ep_rank: int = 1,
+    tolerance: float = 0.0,
 ) -> OffloadingPlan:
     """Everything of ``gen_offloading_plan`` but the probabilities: integer tensors in and out,
     no autograd and no host sync, so it can be replayed from one CUDA graph."""
     count_tokens_from_home_expert_to_spare_expert, _, _ = gen_assignment(
-        count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks, num_spare_experts_per_ep_rank
+        count_tokens_per_expert_from_ep_rank, ep_rank, num_ep_ranks, num_spare_experts_per_ep_rank, tolerance
     )
     expert_offloading_map = count_tokens_from_home_expert_to_spare_expert > 0
 

@@ -80,6 +80,10 @@ class MoEConfig:
     pad_to_capacity: bool = False
     expert_backend: str = "auto"               # GroupedMLP backend: auto | grouped_mm | loop | bmm
     num_spare_experts_per_ep_rank: int = 0     # ECHO: k spare expert slots per EP rank (0: off)
+    # ECHO offloads only an EP rank's load above (1 + echo_tolerance) x the mean; a micro-batch with every rank
+    # within it moves no expert weights (known at the dispatch's host sync). Moving a slot's weights costs about
+    # what a 1.5x imbalance costs at EP4 (benchmarks/RESULTS.md, ECHO at EP=4): small imbalances are cheaper kept.
+    echo_tolerance: float = 0.25
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -94,6 +98,9 @@ class MoEConfig:
         if self.num_spare_experts_per_ep_rank < 0:
             raise ValueError("num_spare_experts_per_ep_rank must be >= 0 (0 turns ECHO offloading off), "
                              f"got {self.num_spare_experts_per_ep_rank}.")
+        if not self.echo_tolerance >= 0:
+            raise ValueError(f"echo_tolerance must be >= 0 (the imbalance over the mean load ECHO leaves alone, e.g. "
+                             f"0.25), got {self.echo_tolerance!r}.")
         if self.num_spare_experts_per_ep_rank and self.capacity_factor is not None:
             raise ValueError("num_spare_experts_per_ep_rank > 0 (ECHO offloading) needs dropless routing: "
                              f"set capacity_factor=None (got {self.capacity_factor}); offloading rebalances the "
@@ -107,10 +114,10 @@ class MoEConfig:
 
 
 def _integer_plan(routing_map: Tensor, counts: Tensor, *, source: int, num_ep_ranks: int,
-                  k: int) -> Tuple[Tensor, ...]:
+                  k: int, tolerance: float) -> Tuple[Tensor, ...]:
     """ECHO's plan without the probabilities: ``(rank-major routing map, moved, moved_from_home,
     home_index, spare_homes)``; integers only, so it can be replayed from a CUDA graph."""
-    plan = plan_token_moves(routing_map, counts, source, num_ep_ranks, k)
+    plan = plan_token_moves(routing_map, counts, source, num_ep_ranks, k, tolerance)
     m = plan.moves
     return (interleave_spare_slots(m.routing_map, num_ep_ranks, k), m.moved, m.moved_from_home, m.home_index,
             home_expert_of_spare(plan.expert_offloading_map))
@@ -224,7 +231,8 @@ class MoELayer(nn.Module):
         counts = all_gather_stack(all_gather_stack(routing_map.sum(dim=0), g.ep), g.etp)
         counts = counts.view(-1, self.config.num_experts)                   # [etp·ep, E], row q·ep + p
         routing_map, moved, moved_from_home, home_index, spare_homes = self._plan(
-            routing_map, counts, source=d.etp_rank * d.ep_size + d.ep_rank, num_ep_ranks=d.ep_size, k=self.num_spare)
+            routing_map, counts, source=d.etp_rank * d.ep_size + d.ep_rank, num_ep_ranks=d.ep_size, k=self.num_spare,
+            tolerance=self.config.echo_tolerance)
         probs = reroute_probs(probs, moved, moved_from_home, home_index)
         return interleave_spare_slots(probs, d.ep_size, self.num_spare), routing_map, spare_homes
 
@@ -244,6 +252,8 @@ class MoELayer(nn.Module):
             return self.experts(tokens, tokens_per_expert, meta.rows_per_expert)
         if meta.spare_homes is None:
             raise RuntimeError("This MoELayer has ECHO spare slots: pass offload()'s spare_homes to preprocess().")
+        if meta.spare_slots_used is False:   # read at the dispatch's host sync: no slot has rows, no weights move
+            return self.experts(tokens, tokens_per_expert[:self.experts.num_local_experts], meta.rows_per_expert)
         weights = weights_with_spare_slots((self.experts.weight1, self.experts.weight2), meta.spare_homes,
                                            self.groups.ep, self.num_spare)
         return self.experts(tokens, tokens_per_expert, meta.rows_per_expert, weights=weights)

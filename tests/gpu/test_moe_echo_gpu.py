@@ -85,10 +85,12 @@ def _layer_case():
     gen = torch.Generator().manual_seed(3)
     x0, g = (torch.randn(64, 2, H, generator=gen) + 0.5).cuda(), torch.randn(64, 2, H, generator=gen).cuda()
     results = []
-    for spare in (0, SPARE):
+    # no ECHO; ECHO offloading every imbalance (slots used, weights moved); a tolerance above the skew (no slot
+    # used: the experts run on their own weights, nothing moved)
+    for spare, tolerance, used in ((0, 0.0, None), (SPARE, 0.0, True), (SPARE, 100.0, False)):
         torch.manual_seed(5)
         layer = MoELayer(MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, topk=K,
-                                   num_spare_experts_per_ep_rank=spare), device="cuda")
+                                   num_spare_experts_per_ep_rank=spare, echo_tolerance=tolerance), device="cuda")
         with torch.no_grad():
             layer.router.weight[:2] += 0.6
         x = x0.clone().requires_grad_()
@@ -97,16 +99,18 @@ def _layer_case():
         results.append((out.detach(), x.grad, layer.experts.weight1.grad, layer.experts.weight2.grad,
                         layer.router.weight.grad))
         assert layer._plan.num_graphs == (1 if spare else 0)      # the plan replayed from its own graph
+        assert layer.dispatcher.meta.spare_slots_used is used
     state.destroy()
-    return [(a.cpu(), b.cpu()) for a, b in zip(*results)]
+    return [tuple(t.cpu() for t in run) for run in zip(*results)]
 
 
 @pytest.mark.gpu
 @needs_two_gpus
 def test_gpu_echo_layer_equals_the_unoffloaded_layer_over_nccl():
-    for pairs in run_on_ranks(_layer_case, 2, backend="nccl", timeout=300):
-        for plain, echo in pairs:
+    for runs in run_on_ranks(_layer_case, 2, backend="nccl", timeout=300):
+        for plain, echo, held in runs:
             torch.testing.assert_close(echo, plain, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(held, plain, atol=1e-4, rtol=1e-4)
 
 
 def _cumulative(x, y, *, scale):

@@ -360,6 +360,32 @@ def test_balanced_or_empty_load_offloads_nothing():
             assert collapse_to_home(new_map.long(), home_expert_of_column(offload_map, R), E).equal(routing_case[r].long())
 
 
+@pytest.mark.parametrize("tolerance", [0.0, 0.1, 0.25, 0.5])
+def test_tolerance_spills_only_the_load_above_it(tolerance):
+    """Each EP rank spills exactly its load above ``avg + avg·tolerance`` (whole per-mille); tolerance 0 is the
+    seed's planner; within the tolerance everywhere, no spare slot is used (so no expert weights move)."""
+    gen = torch.Generator().manual_seed(3)
+    for R, E in ((2, 4), (4, 8), (4, 16)):
+        for _ in range(20):
+            counts = torch.randint(0, 40, (R, E), generator=gen)
+            counts[0, : E // R] += torch.randint(0, 60, (E // R,), generator=gen)   # skew towards rank 0
+            spill, spare, avg = gen_intermediate(counts, tolerance=tolerance)
+            load = counts.sum(dim=0).view(R, -1).sum(dim=1)
+            limit = avg + avg * round(tolerance * 1000) // 1000
+            assert spill.view(R, -1).sum(dim=1).equal(torch.relu(load - limit))
+            assert spare.equal(torch.relu(avg - load))
+            if tolerance == 0.0:
+                assert spill.equal(gen_intermediate(counts)[0])
+            assignment, _, _ = gen_assignment(counts, num_spare_experts_per_ep_rank=2, tolerance=tolerance)
+            used = home_expert_of_spare(assignment) >= 0
+            assert bool(used.any()) == bool((load > limit).any() and (load < avg).any())
+
+
+def test_tolerance_is_checked():
+    with pytest.raises(ValueError, match="tolerance must be a fraction >= 0"):
+        gen_intermediate(torch.ones(2, 4, dtype=torch.long), tolerance=-0.1)
+
+
 # ============================================================== offloading == no offloading
 
 

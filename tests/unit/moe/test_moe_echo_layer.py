@@ -43,21 +43,38 @@ def _run_variant(state, variant, sequence_parallel):
     x0, g = _data(state.dp_rank)
     if sequence_parallel:
         x0, g = x0.chunk(state.tp_size)[state.tp_rank], g.chunk(state.tp_size)[state.tp_rank]
+    import lightning_megatron.moe.layer as layer_module
+
+    exchanges = []
+    exchange = layer_module.weights_with_spare_slots
+
+    def counted(*args, **kwargs):
+        exchanges.append(1)
+        return exchange(*args, **kwargs)
+
     runs = {}
-    for k in (0, variant["num_spare_experts_per_ep_rank"]):
-        cfg = MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, topk=K,
-                        sequence_parallel=sequence_parallel, **{**variant, "num_spare_experts_per_ep_rank": k})
+    k = variant["num_spare_experts_per_ep_rank"]
+    # 0: no ECHO; k: ECHO at the default tolerance; "held": a tolerance above this skew (no slot used)
+    for name, spare, tolerance in ((0, 0, 0.25), (k, k, 0.25), ("held", k, 100.0)):
+        cfg = MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, topk=K, echo_tolerance=tolerance,
+                        sequence_parallel=sequence_parallel, **{**variant, "num_spare_experts_per_ep_rank": spare})
         torch.manual_seed(SEED)
         layer = MoELayer(cfg)
         with torch.no_grad():
             layer.router.weight[:2] += SKEW              # experts 0 and 1 live on EP rank 0
         x = x0.clone().requires_grad_()
-        out = layer(x)
+        exchanges.clear()
+        layer_module.weights_with_spare_slots = counted
+        try:
+            out = layer(x)
+        finally:
+            layer_module.weights_with_spare_slots = exchange
         (out * g).sum().backward()
         columns = E // state.ep_size + layer.num_spare
-        runs[k] = {"out": out.detach(), "dx": x.grad, "weights": global_weights(layer, state, grads=False),
-                   "grads": global_weights(layer, state, grads=True), "num_spare": layer.num_spare,
-                   "load": _load_per_ep_rank(layer.dispatcher.meta.routing_map, state.ep_size, columns, state)}
+        runs[name] = {"out": out.detach(), "dx": x.grad, "weights": global_weights(layer, state, grads=False),
+                      "grads": global_weights(layer, state, grads=True), "num_spare": layer.num_spare,
+                      "load": _load_per_ep_rank(layer.dispatcher.meta.routing_map, state.ep_size, columns, state),
+                      "exchanges": len(exchanges), "slots_used": layer.dispatcher.meta.spare_slots_used}
     return runs
 
 
@@ -79,20 +96,28 @@ def check_world(world, layouts):
             k = variant["num_spare_experts_per_ep_rank"]
             name = f"world={world} layout={layout} variant={vi}"
             for rank in range(world):
-                plain, echo = results[rank][li][vi][0], results[rank][li][vi][k]
+                plain, echo, held = (results[rank][li][vi][key] for key in (0, k, "held"))
                 assert echo["num_spare"] == k, f"{name}: ECHO is off"
                 before, after = plain["load"], echo["load"]
                 assert after.sum() == before.sum(), f"{name}: rows not conserved {before} -> {after}"
                 assert after.max() < before.max(), f"{name}: nothing offloaded {before} -> {after}"
-                torch.testing.assert_close(echo["out"], plain["out"], atol=1e-5, rtol=1e-5,
-                                           msg=lambda m: f"{name} rank {rank} out: {m}")
-                torch.testing.assert_close(echo["dx"], plain["dx"], atol=1e-5, rtol=1e-5,
-                                           msg=lambda m: f"{name} rank {rank} dx: {m}")
-                for key, value in plain["weights"].items():
-                    assert torch.equal(echo["weights"][key], value), f"{name}: init of {key} differs"
-                for key, grad in plain["grads"].items():
-                    torch.testing.assert_close(echo["grads"][key], grad, atol=1e-5, rtol=1e-5,
-                                               msg=lambda m: f"{name} rank {rank} grad {key}: {m}")
+                assert echo["exchanges"] == 1, f"{name}: the slots' weights did not move"
+                # within the tolerance no token moves, and the all-to-all dispatcher (which reads on the host
+                # whether a slot is used) moves no weights either
+                assert torch.equal(held["load"], before), f"{name}: offloaded within the tolerance"
+                if variant["dispatcher"] == "alltoall":
+                    assert echo["slots_used"] is True and held["slots_used"] is False, name
+                    assert held["exchanges"] == 0, f"{name}: weights moved with every slot unused"
+                for run in (echo, held):
+                    torch.testing.assert_close(run["out"], plain["out"], atol=1e-5, rtol=1e-5,
+                                               msg=lambda m: f"{name} rank {rank} out: {m}")
+                    torch.testing.assert_close(run["dx"], plain["dx"], atol=1e-5, rtol=1e-5,
+                                               msg=lambda m: f"{name} rank {rank} dx: {m}")
+                    for key, value in plain["weights"].items():
+                        assert torch.equal(run["weights"][key], value), f"{name}: init of {key} differs"
+                    for key, grad in plain["grads"].items():
+                        torch.testing.assert_close(run["grads"][key], grad, atol=1e-5, rtol=1e-5,
+                                                   msg=lambda m: f"{name} rank {rank} grad {key}: {m}")
 
 
 def test_echo_layer_equals_unoffloaded_layer_on_two_ranks():
@@ -153,6 +178,9 @@ def test_echo_options_are_checked():
                   capacity_factor=1.0)
     with pytest.raises(ValueError, match="num_spare_experts_per_ep_rank must be >= 0"):
         MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, num_spare_experts_per_ep_rank=-1)
+    with pytest.raises(ValueError, match="echo_tolerance must be >= 0"):
+        MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, num_spare_experts_per_ep_rank=1,
+                  echo_tolerance=-0.5)
     with pytest.raises(ValueError, match="spare_homes must have"):
         weights_with_spare_slots([torch.zeros(4, 2)], torch.zeros(3, dtype=torch.long), None, 2)
 
