@@ -86,7 +86,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             (SGD, Adam, AdamW, ...).
         overlap_param_gather: with the distributed optimizer, all-gather the updated parameters in
             the background and wait at the next forward of the module holding them (a transformer
-            layer once for all of its own, outside its compiled bodies). Parameters are current between steps only after ``strategy.finish_param_sync()`` (checkpoints, evaluation and
+            layer once for all of its own, outside its compiled bodies). Parameters are current
+            between steps only after ``strategy.finish_param_sync()`` (checkpoints, evaluation and
             the end of fit call it; a callback reading weights must call it too).
         fp8: train the linear layers in float8 through torchao: ``"tensorwise"``, ``"rowwise"`` or a
             ``lightning_megatron.quantization.float8.Float8Config`` (``None``: off); needs ``pip install
