@@ -9,6 +9,7 @@
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
   ``Trainer(strategy="auto")`` on one GPU; with ``--gpus N``: ``ModelParallelStrategy`` with torchtitan's
   tensor-parallel plan (``peer-tp``), FSDP2 ``fully_shard`` per block (``peer-fsdp``) or Lightning ``"ddp"``.
+  Ours above one data-parallel rank: the distributed optimizer with overlapped reduce-scatter and gather.
 
 Same shape, tokens per optimizer step (``--batch`` sequences, micro-batches of ``--micro-batch``: ours splits
 the batch, the peers accumulate), bf16-true, fused AdamW, no clipping. Each configuration runs in its own
@@ -230,7 +231,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
                                     tp_comm_overlap=name.endswith("overlap"), fp8=fp8,
                                     micro_batch_size=args.micro_batch, compile_layers=compiled,
-                                    use_distributed_optimizer=dp > 1, overlap_grad_reduce=dp > 1)
+                                    use_distributed_optimizer=dp > 1, overlap_grad_reduce=dp > 1,
+                                    overlap_param_gather=dp > 1)
         batch = per_rank
     else:
         batch = args.micro_batch
