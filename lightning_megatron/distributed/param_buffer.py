@@ -8,8 +8,8 @@ buckets holding its own parameters, so the gather of later layers overlaps the f
 ones. A parameter read outside its owner's forward before then would be stale: call ``finish()``
 before reading parameters directly (checkpoints, evaluation code that bypasses ``forward``).
 
-A module whose class sets ``wait_for_params_as_one = True`` (the transformer layer) waits once, before its
-own forward, for every parameter below it, and its submodules wait for nothing: its bodies may be compiled or
+A module whose class sets ``wait_for_params_as_one = True`` (the transformer layer), or one compiled with
+``module.compile()``, waits once, before its own forward, for every parameter below it, and its submodules wait for nothing: its bodies may be compiled or
 CUDA-graphed, and a wait inside them would split the compiled graph at every norm and linear (the GPT-1.3B
 step at DP4 ran its norms, GeLU and concatenations eagerly for it) or be skipped by a graph replay.
 """
@@ -70,7 +70,8 @@ class ParamGather:
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    as_one = getattr(module, "wait_for_params_as_one", False)
+                    as_one = (getattr(module, "wait_for_params_as_one", False)
+                              or getattr(module, "_compiled_call_impl", None) is not None)   # module.compile()
                     if as_one:
                         seen.update(id(m) for m in module.modules())
                     mine = {id(b): (pb, b) for p in module.parameters(recurse=as_one)

@@ -57,3 +57,27 @@ def _hooks_of(world_size):
 def test_a_layer_waits_once_for_all_its_parameters_and_its_submodules_never():
     layers_wait, nothing_inside_waits, embedding_waits = run_on_ranks(_hooks_of, 2, 2, timeout=120)[0]
     assert layers_wait and nothing_inside_waits and embedding_waits
+
+
+def _hooks_of_a_compiled_user_module(world_size):
+    import torch.distributed as dist
+
+    from lightning_megatron.distributed import DataParallelGrads, DistributedOptimizer
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+
+    state = ParallelState(ParallelLayout(dist.get_world_size())).activate()
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    block.compile(backend="eager")
+    model = nn.Sequential(nn.Linear(8, 8), block)
+    grads = DataParallelGrads(list(model.parameters()), dense_group=state.dp_group, divisor=world_size,
+                              overlap_grad_reduce=True, bucket_size=40, shard=True)
+    DistributedOptimizer([torch.optim.SGD(model.parameters(), lr=0.1)], grads, modules=[model],
+                         overlap_param_gather=True)
+    hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks]
+    state.destroy()
+    return hooked
+
+
+def test_a_module_compiled_by_the_user_waits_once_too():
+    assert run_on_ranks(_hooks_of_a_compiled_user_module, 2, 2, timeout=120)[0] == ["0", "1"]
