@@ -9,9 +9,10 @@ ones. A parameter read outside its owner's forward before then would be stale: c
 before reading parameters directly (checkpoints, evaluation code that bypasses ``forward``).
 
 A module whose class sets ``wait_for_params_as_one = True`` (the transformer layer), or one compiled with
-``module.compile()``, waits once, before its own forward, for every parameter below it, and its submodules wait for nothing: its bodies may be compiled or
-CUDA-graphed, and a wait inside them would split the compiled graph at every norm and linear (the GPT-1.3B
-step at DP4 ran its norms, GeLU and concatenations eagerly for it) or be skipped by a graph replay.
+``module.compile()``, waits once, before its own forward, for every parameter below it, and its submodules
+wait for nothing: its bodies may be compiled or CUDA-graphed, and a wait inside them would split the compiled
+graph at every norm and linear (the GPT-1.3B step at DP4 ran its norms, GeLU and concatenations eagerly for
+it) or be skipped by a graph replay.
 """
 
 from __future__ import annotations

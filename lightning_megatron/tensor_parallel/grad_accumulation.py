@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .weight_grad_sink import define_sink_op, eager_sink_linear, sink_parameter, traced_sink_linear
 
+
 def accumulate_weight_grad(param: torch.Tensor, inp: torch.Tensor, grad_output: torch.Tensor) -> None:
     """``param``'s gradient += ``grad_outputᵀ · inp`` (flattened), in ``main_grad`` if it has one, else in ``.grad``
     (made by the first product); then its post-accumulate hooks, as ``AccumulateGrad`` would call them."""

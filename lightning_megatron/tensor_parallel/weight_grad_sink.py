@@ -10,9 +10,10 @@ in one GEMM (``grad_accumulation.py``). Both need the same linear, given the sin
   frozen input's output in the graph (a frozen first layer still hands its weight's work over);
 - under ``torch.compile``: traced into the layer's graph, the weight passed detached, its backward calling the
   feature's side-effecting custom op ``op(input, grad_output, weight_alias)``, which finds the parameter from the
-  alias (``sink_parameter``: among the linears registered with ``register_sink_weight``). The graph keeps its own autograd edge to the weight, which reaches the weight's accumulator with no
-  gradient: its post-accumulate hooks are called there once without a new gradient (the data-parallel buffers
-  ignore such a call, ``distributed/data_parallel.py``).
+  alias (``sink_parameter``: among the linears registered with ``register_sink_weight``). The graph keeps its
+  own autograd edge to the weight, which reaches the weight's accumulator with no gradient: its post-accumulate
+  hooks are called there once without a new gradient (the data-parallel buffers ignore such a call,
+  ``distributed/data_parallel.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ instance, not the module's ``__call__``: the module tree and the state dict are 
 a checkpoint saved compiled resumes eager and the reverse), and per-layer CUDA graphs capture the compiled
 code (their pieces take those bodies). The tensor- and context-parallel collectives are graph breaks that run
 eagerly (``tensor_parallel/mappings.py`` says why), so compiled layers communicate exactly as eager ones at every
-tensor-, sequence- and context-parallel size, and inductor fuses what lies between two collectives. An MoE layer compiles its attention block only: token dispatch reads counts on the host.
+tensor-, sequence- and context-parallel size, and inductor fuses what lies between two collectives. An MoE layer
+compiles its attention block only: token dispatch reads counts on the host.
 
 Dropout is drawn by PyTorch's eager generator inside the graph (inductor's ``fallback_random``), so the masks
 are the eager ones: tensor-parallel ranks agree where they must and differ where they must, and a compiled
