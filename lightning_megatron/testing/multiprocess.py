@@ -183,7 +183,7 @@ def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> 
     deadline = start + timeout
     done: Dict[int, Any] = {}
     failures: Dict[int, str] = {}
-    mesh_failure = False
+    mesh_failure = genuine_failure = False
     died_at: Dict[int, float] = {}
     while len(done) + len(failures) < world_size:
         now = time.monotonic()
@@ -206,12 +206,16 @@ def _collect(procs: List["mp.Process"], results: "mp.Queue", timeout: float) -> 
         else:
             failures[rank] = payload
             mesh_failure = mesh_failure or status == "mesh_failure"
+            genuine_failure = genuine_failure or status == "error"
             # Peers of a failed rank usually block in a collective: give them a moment, then stop.
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
     for rank, proc in enumerate(procs):   # died without a word while we waited for the others
         if rank not in done and rank not in failures and not proc.is_alive() and proc.exitcode not in (None, 0):
             failures[rank] = f"rank {rank} exited with code {proc.exitcode} without reporting a result"
     if failures:
+        # a run in which the function itself failed on some rank is never retried, whatever gloo did elsewhere:
+        # the retry could succeed and hide that failure
+        mesh_failure = mesh_failure and not genuine_failure
         silent = [r for r in range(world_size) if r not in done and r not in failures]
         parts = [f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures)]
         if silent:
