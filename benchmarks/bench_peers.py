@@ -3,7 +3,8 @@
 - ``ours`` / ``ours-compiled``: ``LlamaModel`` through ``Trainer(strategy=MegatronStrategy(...))`` with
   ``compile_layers=False`` / ``True``; ``ours-overlap`` / ``ours-compiled-overlap`` with ``tp_comm_overlap=True``
   too (``--tp`` >= 2); ``ours-fp8`` / ``ours-compiled-fp8`` with ``fp8="tensorwise"`` (torchao's float8 linears;
-  emulated on the CPU); ``ours-compiled-gaf`` with ``gradient_accumulation_fusion=True``;
+  emulated on the CPU); ``ours-compiled-nogaf`` with ``gradient_accumulation_fusion=False`` (the default,
+  ``"auto"``, fuses in compiled layers; ``ours-compiled-gaf``, ``True``, is the same there);
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
@@ -160,7 +161,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
                 cfg = llama_config(s["layers"], s["hidden"], s["heads"], num_query_groups=s["kv_heads"],
                                    ffn_hidden_size=s["ffn"], rotary_base=500000.0,
-                                   gradient_accumulation_fusion=name.endswith("-gaf"))
+                                   gradient_accumulation_fusion=(
+                                       False if name.endswith("-nogaf") else True if name.endswith("-gaf") else "auto"))
                 self.model = LlamaModel(cfg, s["vocab"], s["seq"])
                 return
             self.model = PeerLlama(s)

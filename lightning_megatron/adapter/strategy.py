@@ -47,6 +47,7 @@ from ..pipeline.shared_embeddings import check_tied_optimizer_settings
 from ..quantization.float8 import Float8Config, enable_fp8, fp8_config
 from ..transformer.compile import CompileLayers, apply_compile_layers, check_compile_layers
 from ..transformer.config import model_defaults
+from ..transformer.grad_accumulation_default import resolve_gradient_accumulation_fusion
 from .checkpoint_hooks import ShardedCheckpointHooks
 from .evaluation import EvaluationHooks
 from .last_stage import (Metrics, TrainingLastStage, call_hooks, check_automatic_optimization, check_model_kept,
@@ -211,6 +212,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
         apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size)
+        resolve_gradient_accumulation_fusion(self.lightning_module, self.graph_config.cuda_graph is not None)
         report_pipeline_layout(self.lightning_module, self._state())
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -237,8 +239,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             micro_batch_size=self.parallel.micro_batch_size, pipeline_schedule=self.parallel.pipeline_schedule,
             microbatch_group_size_per_vp_stage=self.parallel.microbatch_group_size_per_vp_stage,
             calculate_per_token_loss=self.calculate_per_token_loss, **dataclasses.asdict(self.graph_config))
-        if self.gradients is not None:
-            self.train_step = TrainStep(self.engine, self.gradients, [self.model])
+        self.train_step = None if self.gradients is None else TrainStep(self.engine, self.gradients, [self.model])
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

@@ -100,12 +100,16 @@ class _TensorParallelLinear(_TensorParallelModule):
     defer_weight_grad: bool = False
     #: sequence-parallel communication overlapped with the matmul (``comm_overlap.py``; set at construction)
     comm_overlap: bool = False
-    #: the weight gradient accumulated by its GEMM (``grad_accumulation.py``; set at construction)
+    #: the weight gradient accumulated by its GEMM (``grad_accumulation.py``): the setting True at construction,
+    #: or decided for ``"auto"`` by the strategy (``transformer/grad_accumulation_default.py``)
     accumulate_weight_grads: bool = False
+    #: the ``gradient_accumulation_fusion`` asked for: True, False or ``"auto"``
+    grad_accumulation_fusion: Union[bool, str] = False
 
-    def _fuse_grad_accumulation(self, enabled: bool) -> None:
-        self.accumulate_weight_grads = enabled
-        if enabled:
+    def _fuse_grad_accumulation(self, setting: Union[bool, str]) -> None:
+        self.grad_accumulation_fusion = setting
+        self.accumulate_weight_grads = setting is True
+        if setting is not False:
             register_sink_weight(self)
 
     def _overlapped(self) -> bool:
@@ -149,7 +153,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
                  sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
                  group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False,
-                 grad_accumulation_fusion: bool = False) -> None:
+                 grad_accumulation_fusion: Union[bool, str] = False) -> None:
         super().__init__(group)
         self.comm_overlap = comm_overlap
         self._fuse_grad_accumulation(grad_accumulation_fusion)
@@ -218,7 +222,7 @@ class RowParallelLinear(_TensorParallelLinear):
                  sequence_parallel: bool = False, stride: int = 1, params_dtype: torch.dtype = torch.float32,
                  device: Optional[Union[torch.device, str]] = None, perform_initialization: bool = True,
                  group: Optional[dist.ProcessGroup] = None, comm_overlap: bool = False,
-                 grad_accumulation_fusion: bool = False) -> None:
+                 grad_accumulation_fusion: Union[bool, str] = False) -> None:
         super().__init__(group)
         self.comm_overlap = comm_overlap
         self._fuse_grad_accumulation(grad_accumulation_fusion)

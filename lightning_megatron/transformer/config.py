@@ -6,7 +6,7 @@ import dataclasses
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -67,6 +67,12 @@ class TransformerConfig:
     ``document_attention``: the kernel of attention within packed documents (``document_ids``):
     ``"auto"`` FlexAttention on CUDA without attention dropout and boolean-mask SDPA otherwise,
     ``"flex"`` or ``"mask"`` to force one (see ``transformer/documents.py``).
+
+    ``gradient_accumulation_fusion`` (Megatron-Core's name): the linears' weight gradients accumulated by their GEMM
+    (``tensor_parallel/grad_accumulation.py``). ``"auto"`` turns it on where it measured faster and can work: in the
+    layers ``MegatronStrategy`` compiles, when it captures no CUDA graph (``transformer/grad_accumulation_default.py``);
+    a model used without the strategy keeps it off. ``True`` everywhere (refused in compiled layers inside a CUDA
+    graph), ``False`` nowhere.
     """
 
     num_layers: int
@@ -87,7 +93,8 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False                  # sequence-parallel gathers/reduce-scatters overlap the GEMMs
-    gradient_accumulation_fusion: bool = False     # linears' weight gradients accumulated by their GEMM (addmm_)
+    gradient_accumulation_fusion: Union[bool, str] = "auto"   # linears' weight gradients accumulated by their
+                                                   # GEMM (addmm_); "auto": in compiled layers outside CUDA graphs
     recompute_layers: bool = False                 # activation checkpointing per layer
     moe: Optional[Any] = None                      # a moe.MoEConfig: MLPs become mixture-of-experts layers
     moe_layer_freq: int = 1                        # every k-th layer (1-based: layers 1, 1+k, ...) is MoE
@@ -156,6 +163,11 @@ class TransformerConfig:
                              f"{self.embedding_multiplier!r}.")
         if not isinstance(self.qk_layernorm, bool):
             raise ValueError(f"TransformerConfig.qk_layernorm must be True or False, got {self.qk_layernorm!r}.")
+        if self.gradient_accumulation_fusion not in (True, False, "auto") or \
+                not isinstance(self.gradient_accumulation_fusion, (bool, str)):
+            raise ValueError(f"TransformerConfig.gradient_accumulation_fusion must be True, False or 'auto' (fused "
+                             f"where the strategy compiles the layers and captures no CUDA graph), got "
+                             f"{self.gradient_accumulation_fusion!r}.")
         self._check_attention_variants()
         if self.add_qkv_bias not in (None, True, False):
             raise ValueError(f"TransformerConfig.add_qkv_bias must be None (as add_bias_linear), True or False, got "

@@ -41,3 +41,33 @@ def reference():
 def test_fused_gradient_accumulation_matches_single_process(reference, name):
     world, kwargs = LAYOUTS[name]
     assert_same_run(run_on_ranks(fit_and_record, world, kwargs, FUSED, timeout=240), reference)
+
+
+def _fit_counting_fusions(strategy_kwargs):
+    """``fit_and_record`` with the default config (``gradient_accumulation_fusion="auto"``), counting the
+    accumulations the GEMMs made (the column linears' own backward and the traced and eager sink linears')."""
+    from lightning_megatron.tensor_parallel import column_backward, grad_accumulation
+
+    original, calls = grad_accumulation.accumulate_weight_grad, []
+
+    def counting(param, inp, grad_output):
+        calls.append(tuple(param.shape))
+        original(param, inp, grad_output)
+
+    grad_accumulation.accumulate_weight_grad = column_backward.accumulate_weight_grad = counting
+    try:
+        out = fit_and_record(strategy_kwargs)
+    finally:
+        grad_accumulation.accumulate_weight_grad = column_backward.accumulate_weight_grad = original
+    return dict(out, fused=len(calls))
+
+
+@pytest.mark.parametrize("name", ["one-process-compiled", "tp2sp-compiled", "dp2-overlap-compiled", "one-process"])
+def test_the_default_fuses_in_compiled_layers_and_matches_single_process(reference, name):
+    """The default: the strategy compiles the layers, so every linear of every layer accumulates by its GEMM (four
+    linears, four layers, four micro-batches a step, three steps), and the run is one process's; eager, none."""
+    world, kwargs = LAYOUTS[name]
+    out = run_on_ranks(_fit_counting_fusions, world, kwargs, timeout=240)
+    assert_same_run(out, reference)
+    per_rank = 4 * 4 * (4 // (2 if name.startswith("dp2") else 1)) * 3 if "compile_layers" in kwargs else 0
+    assert [rank_out["fused"] for rank_out in out] == [per_rank] * world
