@@ -1,0 +1,156 @@
+"""Does a tensor-parallel collective overlap the GEMM beside it? The backward of a column-parallel linear under
+sequence parallelism at TP2, at the Llama-3-8B layer shape (issue 30/32).
+
+``tensor_parallel/column_backward.py`` launches the input gradient's reduce-scatter asynchronously and computes the
+weight gradient while it travels, yet the profiled TP2 step's kernels add up to its wall time (benchmarks/RESULTS.md,
+tenth session): the overlap seems not to happen. A likely cause: cuBLAS's persistent GEMM kernels take every SM, so
+NCCL's kernel, ready at the same moment, starts only when the GEMM ends. This times, per rank, with CUDA events, the
+median of ``--iters`` after warm-up:
+
+- ``dgrad`` / ``wgrad``: the input- / weight-gradient GEMM alone; ``rs`` / ``ag``: the collective alone;
+- ``serial``: input-gradient GEMM, the collective (waited for), the weight-gradient GEMM, as eager autograd runs them;
+- ``overlap``: the same with the collective asynchronous, the weight-gradient GEMM beside it, then the wait (what
+  column_backward.py does); ``overlap-carveout-N``: the weight-gradient GEMM told to leave N SMs free
+  (``torch._C._set_sm_carveout_experimental``, where this torch has it).
+
+Launch it once per environment to compare ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron-LM's setting for its overlap)
+or ``NCCL_MAX_CTAS`` against the default:
+
+    torchrun --nproc_per_node=2 benchmarks/bench_tp_overlap.py [--carveouts 8 16 32]
+    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node=2 benchmarks/bench_tp_overlap.py
+    torchrun --nproc_per_node=2 benchmarks/bench_tp_overlap.py --cpu     # gloo, tiny shapes: the script's plumbing
+
+Prints one JSON line per case from rank 0 (``{"case", "ms", "env"}``), then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of a micro-batch (2 x 4096)")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=14336, help="the MLP's hidden size (gate and up: 2x, split by tp)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--carveouts", type=int, nargs="*", default=[8, 16, 32])
+    parser.add_argument("--cpu", action="store_true", help="gloo on the CPU, float32 (plumbing only)")
+    return parser.parse_args()
+
+
+def timed(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls (each bracketed by barriers, so both ranks start
+    together)."""
+    import time
+
+    samples: List[float] = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            samples.append(ms)
+    return statistics.median(samples)
+
+
+def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Dict[str, Callable[[], None]]:
+    """The column-parallel fc1's backward (gate and up fused) on this rank: ``grad`` ``[T, 2F/tp]``, the gathered
+    input ``total`` ``[T, H]``, the weight shard ``[2F/tp, H]``; the input gradient ``[T, H]`` is reduce-scattered
+    to ``[T/tp, H]``."""
+    tp = dist.get_world_size()
+    gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
+    rows = 2 * args.ffn // tp
+    grad = torch.randn(args.tokens, rows, generator=gen).to(device, dtype)
+    total = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
+    weight = torch.randn(rows, args.hidden, generator=gen).to(device, dtype)
+    partial = torch.empty(args.tokens, args.hidden, device=device, dtype=dtype)
+    shard = torch.empty(args.tokens // tp, args.hidden, device=device, dtype=dtype)
+    weight_grad = torch.empty(rows, args.hidden, device=device, dtype=dtype)
+
+    def dgrad() -> None:
+        torch.mm(grad, weight, out=partial)
+
+    def wgrad() -> None:
+        torch.mm(grad.t(), total, out=weight_grad)
+
+    def reduce_scatter(async_op: bool = False) -> Optional[dist.Work]:
+        return dist.reduce_scatter_tensor(shard, partial, async_op=async_op)
+
+    def reduce_scatter_alone() -> None:
+        reduce_scatter()
+
+    def all_gather() -> None:
+        dist.all_gather_into_tensor(partial, shard)
+
+    def serial() -> None:
+        dgrad()
+        reduce_scatter()
+        wgrad()
+
+    def overlap(carveout: Optional[int] = None) -> Callable[[], None]:
+        def run() -> None:
+            dgrad()
+            work = reduce_scatter(async_op=True)
+            if carveout is not None:
+                torch._C._set_sm_carveout_experimental(carveout)
+            wgrad()
+            if carveout is not None:
+                torch._C._set_sm_carveout_experimental(None)
+            assert work is not None
+            work.wait()
+        return run
+
+    out: Dict[str, Callable[[], None]] = {"dgrad": dgrad, "wgrad": wgrad, "rs": reduce_scatter_alone,
+                                          "ag": all_gather, "serial": serial, "overlap": overlap()}
+    if device.type == "cuda" and hasattr(torch._C, "_set_sm_carveout_experimental"):
+        for n in args.carveouts:
+            out[f"overlap-carveout-{n}"] = overlap(n)
+    return out
+
+
+def main() -> None:
+    args = parse()
+    cuda = not args.cpu and torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    env = {k: os.environ[k] for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS")
+           if k in os.environ}
+    results = {name: timed(fn, args.iters, args.warmup, cuda) for name, fn in cases(args, device, dtype).items()}
+    if rank == 0:
+        for name, ms in results.items():
+            print(json.dumps({"case": name, "ms": round(ms, 4), "env": env}))
+        ideal = results["dgrad"] + max(results["rs"], results["wgrad"])
+        print(f"\nTP{dist.get_world_size()} column-parallel backward, T={args.tokens} H={args.hidden} "
+              f"2F/tp={2 * args.ffn // dist.get_world_size()}, env {env or 'default'}")
+        print("| case | ms | vs serial |\n|---|---|---|")
+        for name, ms in results.items():
+            print(f"| {name} | {ms:.3f} | {ms / results['serial']:.3f} |")
+        print(f"| (ideal overlap: dgrad + max(wgrad, rs)) | {ideal:.3f} | {ideal / results['serial']:.3f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
