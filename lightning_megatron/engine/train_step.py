@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..distributed.gradients import GradientState
-from ..moe import update_expert_biases
+from ..moe import MoELayer, update_expert_biases
 from ..parallel.heartbeat import HEARTBEAT
 from .step import LastStage, StepEngine, StepResult
 
@@ -46,6 +46,13 @@ class TrainStep:
         if routers:   # aux-loss-free balancing: biases move after the step, from the tokens counted in it
             group = engine.state.group("tp-dp-cp")
             self.post_optimizer_hooks.append(lambda: update_expert_biases(routers, group=group))
+        schedules = [m.echo for module in self.modules for m in module.modules()
+                     if isinstance(m, MoELayer) and m.echo is not None]
+        if schedules:   # ECHO plans in the next step only if this one's routing needed it (moe/echo_schedule.py)
+            def next_echo_step() -> None:
+                for schedule in schedules:
+                    schedule.next_step()
+            self.post_optimizer_hooks.append(next_echo_step)
         self.post_optimizer_hooks.extend(post_optimizer_hooks)
 
     def run(self, batch: Any, last_stage: LastStage, *, window_start: bool = True, window_end: bool = True,

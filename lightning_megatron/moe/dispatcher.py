@@ -62,6 +62,7 @@ class DispatchMetadata:
     splits: Optional[Dict[str, List[int]]] = None  # host row counts of the collectives
     spare_homes: Optional[Tensor] = None      # ECHO: [ep·k] home expert of each spare slot (-1 unused)
     spare_slots_used: Optional[bool] = None   # ECHO: whether any slot is used, read at dispatch (None: not read)
+    rows_per_ep_rank: Optional[List[int]] = None  # rows each EP rank receives, read at dispatch (report_loads)
     token_order: Optional[Tensor] = None      # dropless top-k: the T·k rows listed token by token
     token_rows: Optional[Tensor] = None       # permute kernels: [T, E] each token's rows, -1 after the last
 
@@ -124,7 +125,15 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     """Each rank permutes its own tokens, sends each expert rank its rows (all-to-all over ep),
     then the etp ranks of one expert rank share their rows (all-gather over etp), since each
     holds a slice of every local expert. Combine reverses: reduce-scatter over etp sums the
-    partial expert outputs, all-to-all back, weighted sum into the tokens."""
+    partial expert outputs, all-to-all back, weighted sum into the tokens.
+
+    ``report_loads``: the dropless dispatch also reads, in its one host sync, the rows every EP rank receives
+    (``meta.rows_per_ep_rank``, the same on every rank of the expert group): ECHO's schedule watches them."""
+
+    def __init__(self, num_experts: int, topk: int, groups: Optional[MoEGroups] = None,
+                 report_loads: bool = False) -> None:
+        super().__init__(num_experts, topk, groups)
+        self.report_loads = report_loads
 
     def preprocess(self, hidden: Tensor, probs: Tensor, routing_map: Tensor, *, capacity: Optional[int] = None,
                    dropless: bool = True) -> Tuple[Tensor, Tensor]:
@@ -162,7 +171,11 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         parts = [rows[q, p], rows[q, :, p], rows[:, :, p].sum(dim=1)]
         if m.spare_homes is not None:   # ECHO: whether any spare slot is used, read in the same sync
             parts.append(m.spare_homes.to(rows.dtype).max().view(1))
+        if self.report_loads:
+            parts.append(rows.sum(dim=(0, 1)))                        # [ep dst p]: every source's rows to p
         host = torch.cat(parts).tolist()  # the one sync
+        if self.report_loads:
+            m.rows_per_ep_rank, host = host[-ep:], host[:-ep]
         if m.spare_homes is not None:
             m.spare_slots_used = host.pop() >= 0
         return {"send": host[:ep], "recv": host[ep:2 * ep], "gathered": host[2 * ep:]}
@@ -254,9 +267,12 @@ class AllGatherTokenDispatcher(TokenDispatcher):
         return out
 
 
-def build_dispatcher(kind: str, num_experts: int, topk: int, groups: Optional[MoEGroups] = None) -> TokenDispatcher:
+def build_dispatcher(kind: str, num_experts: int, topk: int, groups: Optional[MoEGroups] = None,
+                     report_loads: bool = False) -> TokenDispatcher:
+    """``report_loads``: the all-to-all dispatcher's (the all-gather dispatcher has no per-rank sync to read
+    them in, and reports none)."""
     if kind == "alltoall":
-        return AllToAllTokenDispatcher(num_experts, topk, groups)
+        return AllToAllTokenDispatcher(num_experts, topk, groups, report_loads=report_loads)
     if kind == "allgather":
         return AllGatherTokenDispatcher(num_experts, topk, groups)
     raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {kind!r}.")

@@ -30,7 +30,7 @@ the device, the float rounding mode or the reduction order.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -126,6 +126,20 @@ def tolerance_per_mille(tolerance: float) -> int:
     return int(round(tolerance * 1000))
 
 
+def spill_limit(avg_tokens_per_ep_rank: Any, tolerance: float) -> Any:
+    """The load above which an EP rank spills: ``avg + avg * tolerance`` in whole per-mille (integer arithmetic, on
+    a device tensor in the planner or a host int in :func:`any_rank_spills`)."""
+    return avg_tokens_per_ep_rank + avg_tokens_per_ep_rank * tolerance_per_mille(tolerance) // 1000
+
+
+def any_rank_spills(tokens_per_ep_rank: Sequence[int], tolerance: float) -> bool:
+    """Whether the planner would spill anything for these per-EP-rank loads (host ints): some load above
+    :func:`spill_limit` of their mean. False means no token would move, so the plan can be skipped."""
+    avg = sum(tokens_per_ep_rank) // len(tokens_per_ep_rank)
+    limit = spill_limit(avg, tolerance)
+    return any(load > limit for load in tokens_per_ep_rank)
+
+
 def gen_intermediate(
     count_tokens_per_expert_from_ep_rank: Tensor,
     ep_rank: Tensor | int | None = None,
@@ -158,7 +172,7 @@ def gen_intermediate(
     count_tokens_per_local_expert = count_tokens_per_expert.view(num_ep_ranks, -1)
     count_tokens_per_ep_rank = count_tokens_per_local_expert.sum(dim=1)
     avg_tokens_per_ep_rank = count_tokens_per_ep_rank.sum() // num_ep_ranks
-    limit = avg_tokens_per_ep_rank + avg_tokens_per_ep_rank * tolerance_per_mille(tolerance) // 1000
+    limit = spill_limit(avg_tokens_per_ep_rank, tolerance)
 
     deviation = count_tokens_per_ep_rank - avg_tokens_per_ep_rank
     capacity_spare_per_ep_rank = torch.relu(-deviation)

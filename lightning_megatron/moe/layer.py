@@ -24,7 +24,8 @@ sequence-parallel (each holds ``[S/tp, B, H]``). The experts live on the expert 
    plans which tokens of overloaded EP ranks' experts go to spare slots on other ranks; the
    dispatcher then sees ``E + ep·k`` columns (per rank: ``E/ep`` home experts, then ``k`` slots),
    and ``experts_compute`` runs the slots with copies of their home experts' weights
-   (``spare_weights``), whose gradients flow back to the home expert.
+   (``spare_weights``), whose gradients flow back to the home expert. In training steps after one whose routing
+   needed no offloading the layer skips the plan and routes over its home experts alone (``echo_schedule``).
 
 Balancing losses count tokens over the tp-cp group (see ``aux_loss``), so they equal the
 single-rank values; ``set_aux_loss_scale`` keeps them invariant to the micro-batch count.
@@ -44,6 +45,7 @@ from ..tensor_parallel.utils import divide
 from .comm import all_gather_stack, group_rank, group_size
 from .dispatcher import DISPATCHERS, DispatchMetadata, TokenDispatcher, build_dispatcher
 from .echo import home_expert_of_spare, interleave_spare_slots, plan_token_moves, reroute_probs
+from .echo_schedule import EchoSchedule
 from .experts import ACTIVATIONS, GroupedMLP, SharedExpertMLP
 from .graph_replay import GraphReplay
 from .groups import MoEGroups
@@ -184,9 +186,17 @@ class MoELayer(nn.Module):
         # ECHO needs another EP rank to offload to; at ep=1 it would only add empty slots.
         self.num_spare = config.num_spare_experts_per_ep_rank if ep_size > 1 else 0
         self._plan = GraphReplay(_integer_plan)   # on GPUs the plan's ~80 small kernels replay as one graph
-        # With spare slots the dispatcher sees E + ep*k rank-major columns: E/ep home + k spare per rank.
-        self.dispatcher: TokenDispatcher = build_dispatcher(
-            config.dispatcher, config.num_experts + ep_size * self.num_spare, config.topk, groups)
+        # With spare slots the dispatcher of a planned routing sees E + ep*k rank-major columns: E/ep home + k spare
+        # per rank; an unplanned one (echo_schedule.py) the E home columns, its loads watched.
+        self._spare_dispatcher: Optional[TokenDispatcher] = build_dispatcher(
+            config.dispatcher, config.num_experts + ep_size * self.num_spare, config.topk, groups) \
+            if self.num_spare else None
+        self._home_dispatcher = build_dispatcher(config.dispatcher, config.num_experts, config.topk, groups,
+                                                 report_loads=bool(self.num_spare))
+        #: the dispatcher of the routing in flight (``preprocess`` picks it by the routing map's width)
+        self.dispatcher: TokenDispatcher = self._spare_dispatcher or self._home_dispatcher
+        #: when ECHO plans (None without spare slots)
+        self.echo: Optional[EchoSchedule] = EchoSchedule(config.echo_tolerance) if self.num_spare else None
         d = self.dispatcher
         self.experts = GroupedMLP(num_home, config.hidden_size, config.ffn_hidden_size,
                                   activation=config.activation, first_expert=ep_rank * num_home,
@@ -238,20 +248,33 @@ class MoELayer(nn.Module):
 
     def preprocess(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
                    spare_homes: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Permute the tokens for dispatch: over the spare slots' columns if ``routing_map`` has them (``offload``'s,
+        with its ``spare_homes``), else over the home experts."""
+        if self._spare_dispatcher is not None:
+            planned = routing_map.shape[-1] != self.config.num_experts
+            if planned and spare_homes is None:
+                raise RuntimeError("This MoELayer has ECHO spare slots: pass offload()'s spare_homes to preprocess().")
+            self.dispatcher = self._spare_dispatcher if planned else self._home_dispatcher
         capacity = self.router.capacity(tokens.shape[0]) if self.config.pad_to_capacity else None
         out = self.dispatcher.preprocess(tokens, probs, routing_map, capacity=capacity, dropless=self.router.dropless)
         self.dispatcher.meta.spare_homes = spare_homes
         return out
 
     def dispatch(self, tokens: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:
-        return self.dispatcher.dispatch(tokens, probs)
+        out = self.dispatcher.dispatch(tokens, probs)
+        if self.echo is not None:   # what the dispatch's host sync read: the schedule's observation
+            meta = self.dispatcher.meta
+            if self.dispatcher is self._spare_dispatcher:
+                self.echo.saw_plan(meta.spare_slots_used)
+            else:
+                self.echo.saw_loads(meta.rows_per_ep_rank)
+        return out
 
     def experts_compute(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         meta = self.dispatcher.meta
-        if not self.num_spare:
+        if self.dispatcher is not self._spare_dispatcher:   # no ECHO, or a routing over the home experts alone
             return self.experts(tokens, tokens_per_expert, meta.rows_per_expert)
-        if meta.spare_homes is None:
-            raise RuntimeError("This MoELayer has ECHO spare slots: pass offload()'s spare_homes to preprocess().")
+        assert meta.spare_homes is not None   # preprocess requires them with the spare columns
         if meta.spare_slots_used is False:   # read at the dispatch's host sync: no slot has rows, no weights move
             return self.experts(tokens, tokens_per_expert[:self.experts.num_local_experts], meta.rows_per_expert)
         weights = weights_with_spare_slots((self.experts.weight1, self.experts.weight2), meta.spare_homes,
@@ -267,7 +290,10 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects hidden size {self.config.hidden_size}, got input {tuple(x.shape)}.")
         shared = self.shared_experts_compute(x)
         local = self.split_tokens(x)
-        probs, routing_map, spare_homes = self.offload(*self.route(local))
+        probs, routing_map = self.route(local)
+        spare_homes = None
+        if self.echo is None or self.echo.plans:
+            probs, routing_map, spare_homes = self.offload(probs, routing_map)
         tokens, probs = self.preprocess(local.reshape(-1, self.config.hidden_size), probs, routing_map, spare_homes)
         tokens, tokens_per_expert = self.dispatch(tokens, probs)
         out = self.combine(self.experts_compute(tokens, tokens_per_expert)).view(local.shape)
@@ -317,6 +343,7 @@ class MoELayer(nn.Module):
         else:
             meta = dataclasses.replace(state.meta)
             meta.load_tensors({n: out[f"meta.{n}"] for n in state.meta_names})
+            self.dispatcher = self._spare_dispatcher or self._home_dispatcher   # the head always plans
             self.dispatcher.meta = meta
             tokens, row_probs = out["tokens"], out["row_probs"]
         tokens, tokens_per_expert = self.dispatch(tokens, row_probs)

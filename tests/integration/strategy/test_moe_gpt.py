@@ -5,12 +5,12 @@ import pytest
 
 from lightning_megatron.moe import MoEConfig
 from lightning_megatron.testing import run_on_ranks
-from helpers.strategy_utils import TinyGPT, fit_tiny_gpt
+from helpers.strategy_utils import TinyGPT, assert_same_run, fit_and_record, fit_tiny_gpt
 
 
-def moe(dispatcher, spare=0):
+def moe(dispatcher, spare=0, **options):
     return dict(moe=MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, topk=2, dispatcher=dispatcher,
-                              num_spare_experts_per_ep_rank=spare),
+                              num_spare_experts_per_ep_rank=spare, **options),
                 moe_layer_freq=2)
 
 
@@ -81,3 +81,42 @@ def test_aux_loss_scale_and_expert_bias_follow_the_schedule():
         # each dp rank runs 2 micro-batches (scale 1/4); averaged over dp=2 that is one process's 1/8
         assert [scale for scale, _ in aux] == [pytest.approx(1 / (2 * 2))] * 8
         assert [bias for _, bias in aux] == pytest.approx([bias for _, bias in ref_aux], rel=1e-5)
+
+
+class PlanProbe(TinyGPT):
+    """Records how many times the MoE layers planned ECHO's offloading in each training step."""
+
+    plans: list = []
+
+    def on_train_batch_end(self, *args):
+        super().on_train_batch_end(*args)
+        self.sums = {"plans": (getattr(self, "sums", None) or {"plans": []})["plans"] + [len(PlanProbe.plans)]}
+        PlanProbe.plans.clear()
+
+
+def _fit_counting_plans(strategy_kwargs, module_kwargs):
+    from lightning_megatron.moe import MoELayer
+
+    offload = MoELayer.offload
+
+    def counted(self, *args):
+        PlanProbe.plans.append(1)
+        return offload(self, *args)
+
+    MoELayer.offload = counted
+    try:
+        return fit_and_record(strategy_kwargs, module_kwargs, module_cls=PlanProbe)
+    finally:
+        MoELayer.offload = offload
+
+
+@pytest.mark.parametrize("tolerance,plans", [(100.0, [4, 0, 0]), (0.0, [4, 4, 4])])
+def test_echo_plans_after_a_step_that_needed_it_and_trains_like_a_single_process(tolerance, plans):
+    """Through the Trainer (the training step tells the layers a step ended): two MoE layers, two micro-batches a
+    step on each EP rank: within the tolerance the first step plans and the next route over the home experts, with
+    any imbalance (tolerance 0) every step plans; one process's losses and updates either way."""
+    reference = run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2), moe("alltoall"), timeout=120)[0]
+    out = run_on_ranks(_fit_counting_plans, 2, dict(expert_model_parallel_size=2, micro_batch_size=2),
+                       moe("alltoall", 1, echo_tolerance=tolerance), timeout=180)
+    assert_same_run(out, reference)
+    assert [rank_out["probe"]["plans"] for rank_out in out] == [plans, plans]
