@@ -19,6 +19,7 @@ per-micro-batch stage compute, the slowest stage's, times (m + p - 1) - the bubb
     python benchmarks/bench_scaling.py --gpus 2 --groups tp,dp    # some groups: tp, dp, pp, moe, balance, cp
     python benchmarks/bench_scaling.py --gpus 2 --tiny --accelerator cpu   # dry run of the machinery (gloo)
     BENCH_SCALING_GAPS=1 python benchmarks/bench_scaling.py --gpus 2 --only llama-pp2-m8   # + idle gaps, top kernels
+    BENCH_SCALING_CUDA_GRAPH=partial python benchmarks/bench_scaling.py --gpus 2 --only moe-ep2,moe-ep2-echo
 """
 
 from __future__ import annotations
@@ -225,7 +226,9 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                                 overlap_grad_reduce=layout.distopt, overlap_param_gather=layout.distopt,
                                 # BENCH_SCALING_COMPILE=0/1: compile_layers False/True (default "auto")
                                 compile_layers={"0": False, "1": True}.get(os.environ.get("BENCH_SCALING_COMPILE", ""),
-                                                                           "auto"))
+                                                                           "auto"),
+                                # BENCH_SCALING_CUDA_GRAPH=partial/full: the strategy's cuda_graph (default None)
+                                cuda_graph=os.environ.get("BENCH_SCALING_CUDA_GRAPH") or None)
     torch.manual_seed(0)
     steps = WARMUP + STEPS + PROFILED
     per_rank = layout.global_batch // layout.dp
