@@ -10,11 +10,18 @@ communication with the weight-gradient GEMM. The same GEMMs and the same collect
 
 The function runs eagerly under ``torch.compile`` (a graph break, like every collective of ``mappings``). A forward
 under CUDA-graph capture keeps its backward's collective in stream order (as the plain path).
+
+Whether the collective really runs beside the GEMM is the GPU's business: cuBLAS's persistent kernels can take
+every SM before NCCL's kernel starts. ``LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT=N`` (off by default) asks cuBLAS to
+leave ``N`` SMs free during the overlapped weight-gradient GEMM (``torch._C._set_sm_carveout_experimental``), for
+measuring that (``benchmarks/bench_tp_overlap.py``); the numbers are the same either way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +30,31 @@ import torch.nn.functional as F
 from .grad_accumulation import accumulate_weight_grad
 from .mappings import eager_under_compile, gather_along_dim
 from .utils import in_autocast_dtype
+
+CARVEOUT_ENV = "LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT"
+
+
+def wgrad_sm_carveout() -> Optional[int]:
+    """The SMs the overlapped weight-gradient GEMM leaves to the collective (``CARVEOUT_ENV``), or None."""
+    value = os.environ.get(CARVEOUT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{CARVEOUT_ENV}={value!r}: give a whole number of SMs (e.g. 16) or leave it unset.")
+    return int(value) or None
+
+
+@contextmanager
+def _sm_carveout(sms: Optional[int]) -> Iterator[None]:
+    """cuBLAS leaves ``sms`` SMs free for the GEMMs inside (nothing when None)."""
+    if sms is None:
+        yield
+        return
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -39,6 +71,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         # and the weight gradient is returned (the capture would freeze the Python that picks its target)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         ctx.overlap = not capturing
+        ctx.carveout = wgrad_sm_carveout() if x.is_cuda and ctx.overlap else None
         ctx.accumulate_into = None if capturing else accumulate_into
         return F.linear(total, weight, bias)
 
@@ -57,10 +90,11 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 grad_x = partial
                 work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
         grad_w = None
-        if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
-            accumulate_weight_grad(ctx.accumulate_into[0], total, grad)
-        elif ctx.needs_input_grad[1]:
-            grad_w = flat.t().mm(total.reshape(-1, total.shape[-1]))
+        with _sm_carveout(ctx.carveout if work is not None else None):
+            if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
+                accumulate_weight_grad(ctx.accumulate_into[0], total, grad)
+            elif ctx.needs_input_grad[1]:
+                grad_w = flat.t().mm(total.reshape(-1, total.shape[-1]))
         grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             work.wait()

@@ -59,3 +59,39 @@ def test_overlapped_tensor_parallelism_equals_the_plain_path_float32(tp, compile
         assert losses == pytest.approx(plain_losses, rel=2e-5)
         for name, grad in plain_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _carveout_compare():
+    """The plain path (whose column linears overlap their input-gradient reduce-scatter with the weight-gradient
+    GEMM) without and with ``LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT``; the calls the carve-out made."""
+    import os
+
+    from lightning_megatron.tensor_parallel import column_backward
+
+    calls = []
+    setter = torch._C._set_sm_carveout_experimental
+
+    def recording(value):
+        calls.append(value)
+        setter(value)
+
+    plain = _train(False, 2, 2, False)
+    os.environ[column_backward.CARVEOUT_ENV] = "16"
+    torch._C._set_sm_carveout_experimental = recording
+    try:
+        carved = _train(False, 2, 2, False)
+    finally:
+        torch._C._set_sm_carveout_experimental = setter
+        del os.environ[column_backward.CARVEOUT_ENV]
+    return plain, carved, calls
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_weight_gradient_sm_carveout_changes_no_number():
+    for (plain_losses, plain_grads), (losses, grads), calls in run_on_ranks(
+            _carveout_compare, 2, backend="nccl", timeout=600):
+        # two column linears (qkv, fc1) in each of 4 layers, 2 steps: set to 16 and back each time
+        assert calls == [16, None] * (2 * 4 * 2), calls
+        assert losses == pytest.approx(plain_losses, rel=1e-6)
+        for name, grad in plain_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
