@@ -110,13 +110,16 @@ def _fit_counting_plans(strategy_kwargs, module_kwargs):
         MoELayer.offload = offload
 
 
-@pytest.mark.parametrize("tolerance,plans", [(100.0, [4, 0, 0]), (0.0, [4, 4, 4])])
-def test_echo_plans_after_a_step_that_needed_it_and_trains_like_a_single_process(tolerance, plans):
+@pytest.mark.parametrize("tolerance,recompute,plans", [(100.0, False, [4, 0, 0]), (0.0, False, [4, 4, 4]),
+                                                        (100.0, True, [8, 0, 0])])
+def test_echo_plans_after_a_step_that_needed_it_and_trains_like_a_single_process(tolerance, recompute, plans):
     """Through the Trainer (the training step tells the layers a step ended): two MoE layers, two micro-batches a
     step on each EP rank: within the tolerance the first step plans and the next route over the home experts, with
-    any imbalance (tolerance 0) every step plans; one process's losses and updates either way."""
+    any imbalance (tolerance 0) every step plans; with recomputed layers the recomputation takes its forward's
+    path (planned twice in the first step, never after); one process's losses and updates every time."""
     reference = run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2), moe("alltoall"), timeout=120)[0]
+    module_kwargs = dict(moe("alltoall", 1, echo_tolerance=tolerance), recompute_layers=recompute)
     out = run_on_ranks(_fit_counting_plans, 2, dict(expert_model_parallel_size=2, micro_batch_size=2),
-                       moe("alltoall", 1, echo_tolerance=tolerance), timeout=180)
+                       module_kwargs, timeout=180)
     assert_same_run(out, reference)
     assert [rank_out["probe"]["plans"] for rank_out in out] == [plans, plans]
