@@ -11,7 +11,10 @@ median of ``--iters`` after warm-up:
 - ``serial``: input-gradient GEMM, the collective (waited for), the weight-gradient GEMM, as eager autograd runs them;
 - ``overlap``: the same with the collective asynchronous, the weight-gradient GEMM beside it, then the wait (what
   column_backward.py does); ``overlap-carveout-N``: the weight-gradient GEMM told to leave N SMs free
-  (``torch._C._set_sm_carveout_experimental``, where this torch has it).
+  (``torch._C._set_sm_carveout_experimental``, where this torch has it);
+- ``ag+wgrad`` (and ``-carveout-N``): an all-gather beside a weight-gradient GEMM, as a row-parallel linear's
+  gradient all-gather would run if the weight gradient before it were deferred by one collective (to compare with
+  ``ag`` + ``wgrad``).
 
 Launch it once per environment to compare ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron-LM's setting for its overlap)
 or ``NCCL_MAX_CTAS`` against the default:
@@ -98,8 +101,11 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     def reduce_scatter_alone() -> None:
         reduce_scatter()
 
-    def all_gather() -> None:
-        dist.all_gather_into_tensor(partial, shard)
+    def all_gather(async_op: bool = False) -> Optional[dist.Work]:
+        return dist.all_gather_into_tensor(partial, shard, async_op=async_op)
+
+    def all_gather_alone() -> None:
+        all_gather()
 
     def serial() -> None:
         dgrad()
@@ -119,11 +125,27 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
             work.wait()
         return run
 
+    def ag_beside_wgrad(carveout: Optional[int] = None) -> Callable[[], None]:
+        """A row-parallel linear's gradient all-gather beside another linear's weight-gradient GEMM (what deferring
+        that GEMM by one collective would give)."""
+        def run() -> None:
+            work = all_gather(async_op=True)
+            if carveout is not None:
+                torch._C._set_sm_carveout_experimental(carveout)
+            wgrad()
+            if carveout is not None:
+                torch._C._set_sm_carveout_experimental(None)
+            assert work is not None
+            work.wait()
+        return run
+
     out: Dict[str, Callable[[], None]] = {"dgrad": dgrad, "wgrad": wgrad, "rs": reduce_scatter_alone,
-                                          "ag": all_gather, "serial": serial, "overlap": overlap()}
+                                          "ag": all_gather_alone, "serial": serial, "overlap": overlap(),
+                                          "ag+wgrad": ag_beside_wgrad()}
     if device.type == "cuda" and hasattr(torch._C, "_set_sm_carveout_experimental"):
         for n in args.carveouts:
             out[f"overlap-carveout-{n}"] = overlap(n)
+            out[f"ag+wgrad-carveout-{n}"] = ag_beside_wgrad(n)
     return out
 
 

@@ -16,5 +16,5 @@ def test_tp_overlap_benchmark_dry_run_on_cpu():
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [row["case"] for row in rows] == ["dgrad", "wgrad", "rs", "ag", "serial", "overlap"], done.stdout
+    assert [row["case"] for row in rows] == ["dgrad", "wgrad", "rs", "ag", "serial", "overlap", "ag+wgrad"], done.stdout
     assert all(row["ms"] > 0 for row in rows), rows
