@@ -112,10 +112,14 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         reduce_scatter()
         wgrad()
 
-    def overlap(carveout: Optional[int] = None) -> Callable[[], None]:
+    def beside_wgrad(collective: Callable[..., Optional[dist.Work]], first: Optional[Callable[[], None]] = None,
+                     carveout: Optional[int] = None) -> Callable[[], None]:
+        """``first()``, then ``collective`` launched asynchronously with the weight-gradient GEMM beside it (leaving
+        ``carveout`` SMs free), then the wait."""
         def run() -> None:
-            dgrad()
-            work = reduce_scatter(async_op=True)
+            if first is not None:
+                first()
+            work = collective(async_op=True)
             if carveout is not None:
                 torch._C._set_sm_carveout_experimental(carveout)
             wgrad()
@@ -125,19 +129,14 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
             work.wait()
         return run
 
+    def overlap(carveout: Optional[int] = None) -> Callable[[], None]:
+        """column_backward.py's order: the input-gradient GEMM, its reduce-scatter beside the weight gradient."""
+        return beside_wgrad(reduce_scatter, dgrad, carveout)
+
     def ag_beside_wgrad(carveout: Optional[int] = None) -> Callable[[], None]:
         """A row-parallel linear's gradient all-gather beside another linear's weight-gradient GEMM (what deferring
         that GEMM by one collective would give)."""
-        def run() -> None:
-            work = all_gather(async_op=True)
-            if carveout is not None:
-                torch._C._set_sm_carveout_experimental(carveout)
-            wgrad()
-            if carveout is not None:
-                torch._C._set_sm_carveout_experimental(None)
-            assert work is not None
-            work.wait()
-        return run
+        return beside_wgrad(all_gather, None, carveout)
 
     out: Dict[str, Callable[[], None]] = {"dgrad": dgrad, "wgrad": wgrad, "rs": reduce_scatter_alone,
                                           "ag": all_gather_alone, "serial": serial, "overlap": overlap(),
