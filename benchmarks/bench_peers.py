@@ -275,6 +275,7 @@ def kernel_summary(prof, steps: int) -> dict:
     """GPU kernel time per step by kind, and the 15 longest kernels (ms per step)."""
     kinds: dict = {}
     names: dict = {}
+    other: dict = {}
     for event in prof.key_averages():
         ms = event.device_time_total / 1e3 / steps if hasattr(event, "device_time_total") else \
             event.cuda_time_total / 1e3 / steps
@@ -286,9 +287,13 @@ def kernel_summary(prof, steps: int) -> dict:
         kind = next((k for frag, k in KINDS if frag in low), "other elementwise/copies")
         kinds[kind] = kinds.get(kind, 0.0) + ms
         names[event.key[:90]] = names.get(event.key[:90], 0.0) + ms
+        if kind == "other elementwise/copies":
+            other[event.key[:90]] = other.get(event.key[:90], 0.0) + ms
     top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:15])
+    top_other = dict(sorted(other.items(), key=lambda kv: -kv[1])[:10])
     return {"by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "total_ms": round(sum(kinds.values()), 2), "top_ms": {k: round(v, 2) for k, v in top.items()},
+            "top_other_ms": {k: round(v, 2) for k, v in top_other.items()},
             **idle_gaps(prof, steps)}
 
 
