@@ -41,6 +41,9 @@ def wgrad_sm_carveout() -> Optional[int]:
         return None
     if not value.isdigit():
         raise ValueError(f"{CARVEOUT_ENV}={value!r}: give a whole number of SMs (e.g. 16) or leave it unset.")
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        raise ValueError(f"{CARVEOUT_ENV}={value!r}: this torch {torch.__version__} has no SM carve-out for cuBLAS "
+                         f"(torch._C._set_sm_carveout_experimental); leave it unset.")
     return int(value) or None
 
 

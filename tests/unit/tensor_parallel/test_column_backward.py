@@ -33,3 +33,10 @@ def test_the_carveout_is_undone_after_the_gemm(monkeypatch):
         with column_backward._sm_carveout(24):
             raise RuntimeError("in the GEMM")
     assert calls == [24, None]
+
+
+def test_a_torch_without_the_carveout_is_told(monkeypatch):
+    monkeypatch.setenv(column_backward.CARVEOUT_ENV, "16")
+    monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental", raising=False)
+    with pytest.raises(ValueError, match="has no SM carve-out for cuBLAS"):
+        column_backward.wgrad_sm_carveout()
