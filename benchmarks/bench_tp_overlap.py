@@ -14,7 +14,9 @@ median of ``--iters`` after warm-up:
   (``torch._C._set_sm_carveout_experimental``, where this torch has it);
 - ``ag+wgrad`` (and ``-carveout-N``): an all-gather beside a weight-gradient GEMM, as a row-parallel linear's
   gradient all-gather would run if the weight gradient before it were deferred by one collective (to compare with
-  ``ag`` + ``wgrad``).
+  ``ag`` + ``wgrad``);
+- ``lc-*``: the reduce-scatter and all-gather through symmetric memory's low-contention ops (copy engines, not
+  SMs, move the data), alone and beside the weight-gradient GEMM (CUDA, where this torch has them).
 
 Launch it once per environment to compare ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron-LM's setting for its overlap)
 or ``NCCL_MAX_CTAS`` against the default:
@@ -145,7 +147,48 @@ def cases(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         for n in args.carveouts:
             out[f"overlap-carveout-{n}"] = overlap(n)
             out[f"ag+wgrad-carveout-{n}"] = ag_beside_wgrad(n)
+    try:   # last: symmetric memory may be refused where it is not set up
+        out.update(low_contention_cases(partial, shard, dgrad, wgrad, device))
+    except (RuntimeError, ValueError) as error:
+        if dist.get_rank() == 0:
+            print(f"(symmetric memory's low-contention ops unavailable: {error})", flush=True)
     return out
+
+
+def low_contention_cases(partial: torch.Tensor, shard: torch.Tensor, dgrad: Callable[[], None],
+                         wgrad: Callable[[], None], device: torch.device) -> Dict[str, Callable[[], None]]:
+    """The same collectives through symmetric memory's low-contention ops (copy engines move the data, so the
+    GEMM keeps its SMs; the reduce-scatter's sum is one small kernel), where this torch has them on CUDA."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return {}
+    if device.type != "cuda" or not hasattr(symm_mem, "_low_contention_reduce_scatter"):
+        return {}
+    name = dist.group.WORLD.group_name
+    if not symm_mem.is_symm_mem_enabled_for_group(name):
+        symm_mem.enable_symm_mem_for_group(name)
+    ops = torch.ops.symm_mem
+    wait = torch.ops._c10d_functional.wait_tensor
+
+    def rs_alone() -> None:
+        wait(ops._low_contention_reduce_scatter(partial, "sum", name))
+
+    def ag_alone() -> None:
+        wait(ops._low_contention_all_gather(shard, name))
+
+    def rs_overlap() -> None:
+        dgrad()
+        out = ops._low_contention_reduce_scatter(partial, "sum", name)
+        wgrad()
+        wait(out)
+
+    def ag_beside() -> None:
+        out = ops._low_contention_all_gather(shard, name)
+        wgrad()
+        wait(out)
+
+    return {"lc-rs": rs_alone, "lc-ag": ag_alone, "lc-overlap": rs_overlap, "lc-ag+wgrad": ag_beside}
 
 
 def main() -> None:
@@ -159,10 +202,13 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     env = {k: os.environ[k] for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS")
            if k in os.environ}
-    results = {name: timed(fn, args.iters, args.warmup, cuda) for name, fn in cases(args, device, dtype).items()}
+    results = {}
+    plain = cases(args, device, dtype)
+    for name, fn in plain.items():   # each line as soon as it is measured: a later case that fails keeps them
+        results[name] = timed(fn, args.iters, args.warmup, cuda)
+        if rank == 0:
+            print(json.dumps({"case": name, "ms": round(results[name], 4), "env": env}), flush=True)
     if rank == 0:
-        for name, ms in results.items():
-            print(json.dumps({"case": name, "ms": round(ms, 4), "env": env}))
         ideal = results["dgrad"] + max(results["rs"], results["wgrad"])
         print(f"\nTP{dist.get_world_size()} column-parallel backward, T={args.tokens} H={args.hidden} "
               f"2F/tp={2 * args.ffn // dist.get_world_size()}, env {env or 'default'}")
