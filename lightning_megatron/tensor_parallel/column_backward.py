@@ -11,54 +11,24 @@ communication with the weight-gradient GEMM. The same GEMMs and the same collect
 The function runs eagerly under ``torch.compile`` (a graph break, like every collective of ``mappings``). A forward
 under CUDA-graph capture keeps its backward's collective in stream order (as the plain path).
 
-Whether the collective really runs beside the GEMM is the GPU's business: cuBLAS's persistent kernels can take
-every SM before NCCL's kernel starts. ``LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT=N`` (off by default) asks cuBLAS to
-leave ``N`` SMs free during the overlapped weight-gradient GEMM (``torch._C._set_sm_carveout_experimental``), for
-measuring that (``benchmarks/bench_tp_overlap.py``); the numbers are the same either way.
+Whether the collective really runs beside the GEMM is the GPU's business (cuBLAS's persistent kernels can take every
+SM before NCCL's kernel starts): ``backward_overlap.py`` has two switches for measuring it, an SM carve-out for the
+GEMM and a copy-engine reduce-scatter.
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .backward_overlap import copy_engine_reduce_scatter, sm_carveout, start_copy_engine_reduce_scatter, \
+    wgrad_sm_carveout
 from .grad_accumulation import accumulate_weight_grad
 from .mappings import eager_under_compile, gather_along_dim
 from .utils import in_autocast_dtype
-
-CARVEOUT_ENV = "LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT"
-
-
-def wgrad_sm_carveout() -> Optional[int]:
-    """The SMs the overlapped weight-gradient GEMM leaves to the collective (``CARVEOUT_ENV``), or None."""
-    value = os.environ.get(CARVEOUT_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{CARVEOUT_ENV}={value!r}: give a whole number of SMs (e.g. 16) or leave it unset.")
-    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        raise ValueError(f"{CARVEOUT_ENV}={value!r}: this torch {torch.__version__} has no SM carve-out for cuBLAS "
-                         f"(torch._C._set_sm_carveout_experimental); leave it unset.")
-    return int(value) or None
-
-
-@contextmanager
-def _sm_carveout(sms: Optional[int]) -> Iterator[None]:
-    """cuBLAS leaves ``sms`` SMs free for the GEMMs inside (nothing when None)."""
-    if sms is None:
-        yield
-        return
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-
 
 class _ColumnParallelLinear(torch.autograd.Function):
     """``F.linear(all_gather(x) if sequence_parallel else x, weight, bias)``; backward as the module says."""
@@ -75,6 +45,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         ctx.overlap = not capturing
         ctx.carveout = wgrad_sm_carveout() if x.is_cuda and ctx.overlap else None
+        ctx.copy_engine = x.is_cuda and ctx.overlap and sequence_parallel and copy_engine_reduce_scatter()
         ctx.accumulate_into = None if capturing else accumulate_into
         return F.linear(total, weight, bias)
 
@@ -82,10 +53,12 @@ class _ColumnParallelLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         total, weight = ctx.saved_tensors
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_x, work = None, None
+        grad_x, work, pending = None, None, None
         if ctx.needs_input_grad[0]:
             partial = flat.mm(weight).view(*total.shape)
-            if ctx.sequence_parallel:
+            if ctx.copy_engine:
+                pending = start_copy_engine_reduce_scatter(partial, ctx.group)
+            elif ctx.sequence_parallel:
                 size = dist.get_world_size(ctx.group)
                 grad_x = partial.new_empty((partial.shape[0] // size,) + tuple(partial.shape[1:]))
                 work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=ctx.overlap)
@@ -93,7 +66,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 grad_x = partial
                 work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
         grad_w = None
-        with _sm_carveout(ctx.carveout if work is not None else None):
+        with sm_carveout(ctx.carveout if work is not None or pending is not None else None):
             if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
                 accumulate_weight_grad(ctx.accumulate_into[0], total, grad)
             elif ctx.needs_input_grad[1]:
@@ -101,6 +74,8 @@ class _ColumnParallelLinear(torch.autograd.Function):
         grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             work.wait()
+        if pending is not None:
+            grad_x = torch.ops._c10d_functional.wait_tensor(pending)
         return grad_x, grad_w, grad_b, None, None, None
 
 

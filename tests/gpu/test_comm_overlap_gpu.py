@@ -66,7 +66,7 @@ def _carveout_compare():
     GEMM) without and with ``LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT``; the calls the carve-out made."""
     import os
 
-    from lightning_megatron.tensor_parallel import column_backward
+    from lightning_megatron.tensor_parallel import backward_overlap
 
     calls = []
     setter = torch._C._set_sm_carveout_experimental
@@ -76,13 +76,13 @@ def _carveout_compare():
         setter(value)
 
     plain = _train(False, 2, 2, False)
-    os.environ[column_backward.CARVEOUT_ENV] = "16"
+    os.environ[backward_overlap.CARVEOUT_ENV] = "16"
     torch._C._set_sm_carveout_experimental = recording
     try:
         carved = _train(False, 2, 2, False)
     finally:
         torch._C._set_sm_carveout_experimental = setter
-        del os.environ[column_backward.CARVEOUT_ENV]
+        del os.environ[backward_overlap.CARVEOUT_ENV]
     return plain, carved, calls
 
 
@@ -95,3 +95,43 @@ def test_the_weight_gradient_sm_carveout_changes_no_number():
         assert losses == pytest.approx(plain_losses, rel=1e-6)
         for name, grad in plain_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _copy_engine_compare():
+    """The plain path with NCCL's reduce-scatter and with the copy-engine one (``LIGHTNING_MEGATRON_TP_WGRAD_OVERLAP=
+    copy_engine``), eager and compiled; how many reduce-scatters went through symmetric memory."""
+    import os
+
+    from lightning_megatron.tensor_parallel import backward_overlap, column_backward
+
+    started = []
+    start = column_backward.start_copy_engine_reduce_scatter
+
+    def counting(partial, group):
+        started.append(tuple(partial.shape))
+        return start(partial, group)
+
+    out = {}
+    for compiled in (False, True):
+        plain = _train(False, 2, 2, compiled)
+        os.environ[backward_overlap.OVERLAP_ENV] = "copy_engine"
+        column_backward.start_copy_engine_reduce_scatter = counting
+        try:
+            copied = _train(False, 2, 2, compiled)
+        finally:
+            column_backward.start_copy_engine_reduce_scatter = start
+            del os.environ[backward_overlap.OVERLAP_ENV]
+        out[compiled] = (plain, copied, len(started))
+        started.clear()
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_copy_engine_reduce_scatter_equals_nccls():
+    for out in run_on_ranks(_copy_engine_compare, 2, backend="nccl", timeout=600):
+        for compiled, ((plain_losses, plain_grads), (losses, grads), started) in out.items():
+            assert started == 2 * 4 * 2, (compiled, started)   # qkv and fc1 of 4 layers, 2 steps
+            assert losses == pytest.approx(plain_losses, rel=2e-5)
+            for name, grad in plain_grads.items():
+                torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"compiled={compiled} {name}: {m}")
