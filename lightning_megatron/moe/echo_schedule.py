@@ -27,7 +27,6 @@ from .echo import any_rank_spills
 class EchoSchedule:
     """Whether this step's forwards plan (``plans``), and what this step has seen so far."""
 
-    tolerance: float
     plans: bool = True
     needed: Optional[bool] = None   # whether some forward of this step needed offloading; None: none observed
 
@@ -36,10 +35,11 @@ class EchoSchedule:
         if slots_used is not None:
             self.needed = bool(self.needed) or slots_used
 
-    def saw_loads(self, rows_per_ep_rank: Optional[Sequence[int]]) -> None:
-        """An unplanned forward's dispatch: the rows each EP rank received (None: not read)."""
+    def saw_loads(self, rows_per_ep_rank: Optional[Sequence[int]], tolerance: float) -> None:
+        """An unplanned forward's dispatch: the rows each EP rank received (None: not read), against the planner's
+        ``tolerance``."""
         if rows_per_ep_rank is not None:
-            self.needed = bool(self.needed) or any_rank_spills(rows_per_ep_rank, self.tolerance)
+            self.needed = bool(self.needed) or any_rank_spills(rows_per_ep_rank, tolerance)
 
     def next_step(self) -> None:
         """After an optimizer step: plan in the next one if this one needed it, or if nothing was observed."""

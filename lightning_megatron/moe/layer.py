@@ -196,7 +196,7 @@ class MoELayer(nn.Module):
         #: the dispatcher of the routing in flight (``preprocess`` picks it by the routing map's width)
         self.dispatcher: TokenDispatcher = self._spare_dispatcher or self._home_dispatcher
         #: when ECHO plans (None without spare slots)
-        self.echo: Optional[EchoSchedule] = EchoSchedule(config.echo_tolerance) if self.num_spare else None
+        self.echo: Optional[EchoSchedule] = EchoSchedule() if self.num_spare else None
         d = self.dispatcher
         self.experts = GroupedMLP(num_home, config.hidden_size, config.ffn_hidden_size,
                                   activation=config.activation, first_expert=ep_rank * num_home,
@@ -267,7 +267,7 @@ class MoELayer(nn.Module):
             if self.dispatcher is self._spare_dispatcher:
                 self.echo.saw_plan(meta.spare_slots_used)
             else:
-                self.echo.saw_loads(meta.rows_per_ep_rank)
+                self.echo.saw_loads(meta.rows_per_ep_rank, self.config.echo_tolerance)
         return out
 
     def experts_compute(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ numbers are those of the plain path either way (the copy-engine sum to float rou
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -19,13 +20,20 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from .comm_overlap import enable_symmetric_memory
+
 CARVEOUT_ENV = "LIGHTNING_MEGATRON_TP_WGRAD_SM_CARVEOUT"
 OVERLAP_ENV = "LIGHTNING_MEGATRON_TP_WGRAD_OVERLAP"
 
 
 def wgrad_sm_carveout() -> Optional[int]:
-    """The SMs the overlapped weight-gradient GEMM leaves to the collective (``CARVEOUT_ENV``), or None."""
-    value = os.environ.get(CARVEOUT_ENV, "").strip()
+    """The SMs the overlapped weight-gradient GEMM leaves to the collective (``CARVEOUT_ENV``), or None; looked up at
+    every column-parallel forward, its value checked once."""
+    return _carveout(os.environ.get(CARVEOUT_ENV, "").strip())
+
+
+@functools.lru_cache(maxsize=None)
+def _carveout(value: str) -> Optional[int]:
     if not value:
         return None
     if not value.isdigit():
@@ -50,8 +58,13 @@ def sm_carveout(sms: Optional[int]) -> Iterator[None]:
 
 
 def copy_engine_reduce_scatter() -> bool:
-    """Whether ``OVERLAP_ENV`` asks for the copy-engine reduce-scatter (refused by name where this torch lacks it)."""
-    value = os.environ.get(OVERLAP_ENV, "").strip() or "nccl"
+    """Whether ``OVERLAP_ENV`` asks for the copy-engine reduce-scatter (refused by name where this torch lacks it).
+    Read at every column-parallel forward: the variable is looked up, its value checked once."""
+    return _copy_engine(os.environ.get(OVERLAP_ENV, "").strip() or "nccl")
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_engine(value: str) -> bool:
     if value not in ("nccl", "copy_engine"):
         raise ValueError(f"{OVERLAP_ENV}={value!r}: use 'nccl' (the default) or 'copy_engine'.")
     if value == "nccl":
@@ -70,10 +83,7 @@ def copy_engine_reduce_scatter() -> bool:
 def start_copy_engine_reduce_scatter(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum over ``group`` of ``partial``'s first-dimension chunk of this rank, started on symmetric memory's
     stream: pass the result to ``torch.ops._c10d_functional.wait_tensor`` before reading it."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-        symm_mem.enable_symm_mem_for_group(group.group_name)
+    enable_symmetric_memory(group)
     out: torch.Tensor = torch.ops.symm_mem._low_contention_reduce_scatter(partial.contiguous(), "sum",
                                                                           group.group_name)
     return out

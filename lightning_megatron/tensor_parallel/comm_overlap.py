@@ -192,6 +192,13 @@ def _symmetric_memory(x: torch.Tensor, group: dist.ProcessGroup) -> Any:
         return None
     if not hasattr(symm_mem, "_fused_all_gather_matmul"):
         return None
+    return enable_symmetric_memory(group)
+
+
+def enable_symmetric_memory(group: dist.ProcessGroup) -> Any:
+    """PyTorch's symmetric-memory module, with ``group`` enabled for it (once)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
     if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
         symm_mem.enable_symm_mem_for_group(group.group_name)
     return symm_mem

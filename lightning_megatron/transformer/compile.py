@@ -82,6 +82,20 @@ def compiled_bodies(layer: nn.Module) -> List[str]:
     return [name for name in COMPILED_BODIES if name in vars(layer)]
 
 
+#: the submodule each sub-block body runs (``TransformerLayer._attention_block`` / ``_mlp_block``)
+BODY_MODULES = {"_attention_block": "attention", "_mlp_block": "mlp"}
+
+
+def compiled_modules(layer: nn.Module) -> List[nn.Module]:
+    """The modules of ``layer`` whose forward runs inside compiled code: the layer itself when it or its
+    ``_forward`` is compiled, else the attention and/or MLP of its compiled sub-block bodies (an MoE layer: its
+    attention only, see :func:`compile_layer`); none when it runs eagerly."""
+    bodies = compiled_bodies(layer)
+    if getattr(layer, "_compiled_call_impl", None) is not None or "_forward" in bodies:
+        return [layer]
+    return [getattr(layer, BODY_MODULES[name]) for name in bodies if name in BODY_MODULES]
+
+
 def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> List[str]:
     """Compile ``layer``'s bodies in place with ``torch.compile(**compile_kwargs)`` (see the module docstring);
     returns the names compiled. A layer already compiled (bodies, or the module itself) is left as it is."""

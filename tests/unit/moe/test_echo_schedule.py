@@ -38,7 +38,7 @@ def test_the_host_rule_is_the_planners(tolerance):
 
 
 def test_the_schedule_changes_between_steps_only():
-    schedule = EchoSchedule(tolerance=0.25)
+    schedule = EchoSchedule()
     assert schedule.plans                                   # the first step plans
     schedule.next_step()
     assert schedule.plans                                   # nothing observed: plan again
@@ -47,16 +47,16 @@ def test_the_schedule_changes_between_steps_only():
     assert schedule.plans                                   # unchanged within the step
     schedule.next_step()
     assert not schedule.plans                               # no slot used all step: skip the next
-    schedule.saw_loads([10, 10])
-    schedule.saw_loads([13, 7])                             # 13 > 10 * 1.25: would spill
-    schedule.saw_loads([10, 10])
+    schedule.saw_loads([10, 10], 0.25)
+    schedule.saw_loads([13, 7], 0.25)                             # 13 > 10 * 1.25: would spill
+    schedule.saw_loads([10, 10], 0.25)
     assert not schedule.plans
     schedule.next_step()
     assert schedule.plans
     schedule.saw_plan(True)
     schedule.next_step()
     assert schedule.plans
-    schedule.saw_loads([12, 8])                             # within 1.25x
+    schedule.saw_loads([12, 8], 0.25)                             # within 1.25x
     schedule.next_step()
     assert not schedule.plans
 
@@ -70,7 +70,7 @@ def _layer_steps(skew, tolerance):
     layers = {}
     for spare in (0, 1):
         torch.manual_seed(99)
-        layer = MoELayer(MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, topk=K,
+        layer = MoELayer(MoEConfig(hidden_size=H, ffn_hidden_size=FFN, num_experts=E, topk=K, aux_loss_coeff=0.1,
                                    num_spare_experts_per_ep_rank=spare, echo_tolerance=tolerance))
         with torch.no_grad():
             layer.router.weight[:2] += skew                 # experts 0 and 1 live on EP rank 0
