@@ -8,6 +8,8 @@ every configuration:
 - ``bf16``: the model as it is;
 - ``fp8-tensorwise`` / ``fp8-rowwise``: ``enable_fp8(model, recipe)`` in ``configure_model`` (every
   column/row-parallel linear through torchao's float8 matmul, compiled: the default);
+- ``fp8-tensorwise-out``: ``Float8Config(output_layer=True)``: the output layer's GEMMs (inside the fused loss)
+  in float8 too;
 - ``fp8-tensorwise-eager``: the same without ``torch.compile`` (fewer steps: speed only);
 - ``...-layers``: ``Float8Config(compile_layers=True)``: each transformer layer compiled whole, so the
   casts fuse with the norms / activation / residual adds; ``bf16-compiled-layers``: the same
@@ -62,6 +64,7 @@ CONFIGS = {   # name: what differs from bf16 (fp8 recipe, Float8Config fields, s
     "bf16-seed1": dict(seed=1),   # another initialization, the same batches: the run-to-run spread of the loss
     "bf16-compiled-layers": dict(compile_layers=True),   # each TransformerLayer compiled, no float8
     "fp8-tensorwise": dict(fp8="tensorwise"),
+    "fp8-tensorwise-out": dict(fp8="tensorwise", output_layer=True),   # the output layer in float8 too
     "fp8-tensorwise-layers": dict(fp8="tensorwise", compile_layers=True),
     "fp8-tensorwise-layers-pow2": dict(fp8="tensorwise", compile_layers=True, round_scales_to_power_of_2=True),
     "fp8-rowwise": dict(fp8="rowwise"),
@@ -118,8 +121,8 @@ def run_one(name: str, tiny: bool = False) -> dict:
 
     spec = CONFIGS[name]
     recipe, steps = spec.get("fp8"), min(spec.get("steps", STEPS), STEPS)
-    fields = {k: spec[k] for k in ("compile", "compile_layers", "round_scales_to_power_of_2", "grouped_experts")
-              if k in spec}
+    fields = {k: spec[k] for k in ("compile", "compile_layers", "round_scales_to_power_of_2", "grouped_experts",
+                                   "output_layer") if k in spec}
     marks = {}
     sync = (lambda: None) if tiny else torch.cuda.synchronize
 

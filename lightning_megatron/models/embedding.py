@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,17 +92,19 @@ class LanguageModelEmbedding(nn.Module):
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool,
-                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    bias: Optional[torch.Tensor] = None,
+                    matmul: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
     """``[s(/tp), b, h]`` hidden states times this rank's vocabulary rows → ``[s, b, V/tp]`` logits.
 
     The hidden states are replicated over tp (f) or, under sequence parallelism, all-gathered
-    first; the logits stay vocab-parallel for ``vocab_parallel_cross_entropy``.
+    first; the logits stay vocab-parallel for ``vocab_parallel_cross_entropy``. ``matmul(hidden, weight,
+    bias)``: the local projection (default ``F.linear``; a float8 one with ``Float8Config(output_layer=True)``).
     """
     if sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
     else:
         hidden = copy_to_tensor_parallel_region(hidden)
-    return F.linear(hidden, weight, bias)
+    return (matmul or F.linear)(hidden, weight, bias)
 
 
 def output_weight_for_stage(config: TransformerConfig, vocab_size: int, padded_vocab_size: int,

@@ -15,7 +15,7 @@ from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import pad_vocab_size, vocab_parallel_cross_entropy
 from ..transformer.config import with_strategy_defaults
 from ..transformer import TransformerBlock, TransformerConfig
-from ..tensor_parallel.fused_cross_entropy import fused_kernels_run, parallel_linear_cross_entropy
+from ..tensor_parallel.fused_cross_entropy import LowPrecisionGemms, fused_kernels_run, parallel_linear_cross_entropy
 from ..transformer.stage_costs import language_model_costs
 from .embedding import LanguageModelEmbedding, output_weight_for_stage, parallel_logits
 from .pipeline_layout import PipelineLayout, resolve_pipeline_layout
@@ -95,6 +95,8 @@ class GPTModel(nn.Module):
         check_pooled_layout(config, self.pipeline_layout, state.pp_size, state.virtual_pipeline_size)
         self.decoder = TransformerBlock(config, vp_rank, pipeline_layout=self.pipeline_layout)
         self.output_weight: Optional[nn.Parameter] = None
+        # the output projection's GEMMs in float8 (enable_fp8 with Float8Config(output_layer=True)), else None
+        self.output_float8: Optional[LowPrecisionGemms] = None
         if self.post_process and not (tie_word_embeddings and self.pre_process):
             self.output_weight = output_weight_for_stage(config, vocab_size, self.padded_vocab_size,
                                                          tie_word_embeddings)
@@ -133,8 +135,10 @@ class GPTModel(nn.Module):
         if labels is not None and fused:   # the loss fused with the output layer (chunked: logits never whole)
             return parallel_linear_cross_entropy(
                 hidden, weight, labels.t(), self.config.sequence_parallel, label_smoothing=self.label_smoothing,
-                vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size, logit_softcapping=capping).t()
-        logits = parallel_logits(hidden, weight, self.config.sequence_parallel)          # [s, b, V/tp]
+                vocab_size=self.vocab_size, chunk_size=self.cross_entropy_chunk_size, logit_softcapping=capping,
+                low_precision=self.output_float8).t()
+        logits = parallel_logits(hidden, weight, self.config.sequence_parallel,            # [s, b, V/tp]
+                                 matmul=self.output_float8)
         if capping is not None:   # Gemma 2: elementwise, so each tp rank caps its own vocabulary slice
             logits = torch.tanh(logits / capping) * capping
         if labels is None:

@@ -62,7 +62,7 @@ that saves: 0.67x the bf16 grouped GEMM's speed at 64 experts, hidden 4096, and 
 MoE GPT with its experts in bf16 (``benchmarks/RESULTS.md``). Hence off by default.
 
 Not converted: the vocabulary-parallel output layer / tied embedding (kept in high precision, as is
-usual), layers whose local weight is not a multiple of 16 in both dimensions (float8 GEMMs need it;
+usual; ``Float8Config(output_layer=True)`` runs its GEMMs in float8 too, ``quantization/float8_output.py``), layers whose local weight is not a multiple of 16 in both dimensions (float8 GEMMs need it;
 skipped with one warning naming them), grouped experts without ``grouped_experts=True`` or with
 ``emulate=True`` (torchao's grouped GEMM has no emulation; a warning names them). The number of tokens of a
 layer's input (batch x sequence, per tp rank before any sequence-parallel gather) must be a multiple of 16 for
@@ -86,11 +86,11 @@ from torch import nn
 
 from ..moe.experts import GroupedMLP
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .float8_output import ALIGNMENT, Float8OutputLayer
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)           # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 MIN_TORCHAO = (0, 18)
-ALIGNMENT = 16                    # float8 GEMMs (torch._scaled_mm) need multiples of 16
 INSTALL = "pip install 'lightning-megatron[fp8]'"
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -127,6 +127,11 @@ class Float8Config:
         grouped_experts: run the grouped MoE experts' GEMMs in float8 too (torchao's row-wise float8
             grouped GEMM, a torchao prototype; needs a GPU of compute capability 9.0+). Default False:
             measured slower than bf16 on an H100 (torch 2.11, torchao 0.18; see the module docstring).
+        output_layer: run a ``GPTModel``'s output projection (the vocabulary GEMMs inside its fused loss, and
+            the unfused logits) in float8 too (``quantization/float8_output.py``; tensorwise only; the model's
+            ``cross_entropy_chunk_size`` must be None). Default False: Megatron-Core and torchtitan keep the
+            output layer in high precision for accuracy; at a 128k vocabulary it is a large share of the
+            linear FLOPs (see ``benchmarks/RESULTS.md`` for the speed and the loss curve).
     """
 
     recipe: str = "tensorwise"
@@ -137,17 +142,21 @@ class Float8Config:
     compile_layers: bool = False
     round_scales_to_power_of_2: Optional[bool] = None
     grouped_experts: bool = False
+    output_layer: bool = False
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"fp8 recipe {self.recipe!r} is not one of {list(RECIPES)} (torchao's float8 "
                              f"training recipes); use fp8=None to train without float8.")
-        for name in ("compile", "emulate", "auto_filter", "compile_layers", "grouped_experts"):
+        for name in ("compile", "emulate", "auto_filter", "compile_layers", "grouped_experts", "output_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.round_scales_to_power_of_2 is not None and not isinstance(self.round_scales_to_power_of_2, bool):
             raise ValueError(f"Float8Config.round_scales_to_power_of_2 must be True, False or None (the recipe's "
                              f"default), got {self.round_scales_to_power_of_2!r}.")
+        if self.output_layer and self.recipe != "tensorwise":
+            raise ValueError(f"Float8Config(output_layer=True) runs the output layer with tensorwise scales only, "
+                             f"got recipe={self.recipe!r}: use recipe='tensorwise', or output_layer=False.")
         if self.compile_layers and not self.compile:
             raise ValueError("Float8Config(compile_layers=True) compiles the transformer layers with their float8 "
                              "matmuls inside, and compile=False asks for no compilation: set compile=True, or "
@@ -374,6 +383,41 @@ def _compile_layers(model: nn.Module, config: Float8Config, converted: set) -> N
                       UserWarning, stacklevel=3)
 
 
+def _convert_output_layers(model: nn.Module, config: Float8Config) -> List[str]:
+    """``output_layer``: the last-stage language models of ``model`` (modules with an ``output_float8`` slot,
+    ``GPTModel``) get a :class:`~.float8_output.Float8OutputLayer`; returns their names (``<model>.output_layer``).
+    Earlier pipeline stages hold none; a model holding no language model at all is refused by name."""
+    from ..parallel import get_parallel_state, has_parallel_state
+
+    models = [(name, m) for name, m in model.named_modules() if hasattr(m, "output_float8")]
+    if not models:
+        raise ValueError(f"Float8Config(output_layer=True) converts a GPTModel's output layer, and "
+                         f"{type(model).__name__} holds no GPTModel: set output_layer=False.")
+    converted = []
+    for name, lm in models:
+        if not lm.post_process:   # not the last pipeline stage: no output layer here
+            continue
+        label = f"{name}.output_layer" if name else "output_layer"
+        if getattr(lm, "cross_entropy_chunk_size", None) is not None:
+            raise ValueError(f"Float8Config(output_layer=True) runs {label} in float8 in the whole-logits fused loss, "
+                             f"and the model's cross_entropy_chunk_size={lm.cross_entropy_chunk_size} asks for "
+                             f"chunks: set cross_entropy_chunk_size=None, or output_layer=False.")
+        weight = lm.output_weight if lm.output_weight is not None else lm.embedding.word_embeddings.weight
+        rows, hidden = weight.shape
+        tp = get_parallel_state().tp_size if has_parallel_state() else 1
+        # every tp rank's rows inside the vocabulary, so that each rank decides alike
+        real = [max(0, min(rows, lm.vocab_size - r * rows)) for r in range(tp)]
+        if hidden % ALIGNMENT or any(n % ALIGNMENT for n in [rows, *real]):
+            raise ValueError(f"Float8Config(output_layer=True): {label} multiplies {hidden} hidden features by "
+                             f"{real} vocabulary rows per tensor-parallel rank (of {rows}), and float8 GEMMs need "
+                             f"multiples of {ALIGNMENT}: pad the vocabulary to a multiple of {ALIGNMENT * tp}, or "
+                             f"set output_layer=False.")
+        lm.output_float8 = Float8OutputLayer(label, Float8Matmul(config, label), config.compile,
+                                             bool(config.round_scales_to_power_of_2))
+        converted.append(label)
+    return converted
+
+
 def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwise") -> List[str]:
     """Train ``model``'s linear layers in float8 through torchao; returns the names of the converted layers.
 
@@ -457,6 +501,8 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
             return True
         return False
 
+    if config.output_layer:
+        converted += _convert_output_layers(model, config)
     convert_to_float8_training(model, config=config.torchao_config(), module_filter_fn=keep_linear)
     if config.compile:
         names = set(swapped)

@@ -38,7 +38,7 @@ kernels it is 0.4% to 3% faster: they pay for the recomputed GEMM.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,28 @@ except ImportError:   # CPU-only installs: the torch passes
 ENV = "LM_FUSED_CE_KERNELS"
 SWITCH = KernelSwitch(ENV)
 BLOCK = 2048                     # vocabulary columns a kernel program holds at once
+
+
+class LowPrecisionGemms(Protocol):
+    """The output layer's GEMMs in low precision for the whole-logits path (``quantization.float8_output``'s
+    ``Float8OutputLayer``): ``forward`` gives the logits and what the backward needs of the weight,
+    ``quantize_grad`` the logits' gradient as the backward's GEMMs read it; called, the unfused projection."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ...
+
+    def check_shapes(self, tokens: int, rows: int, hidden: int) -> None: ...
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        ...
+
+    def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]: ...
+
+    def grad_hidden(self, grad_q: Tuple[torch.Tensor, ...], weight_q: Tuple[torch.Tensor, ...],
+                    dtype: torch.dtype) -> torch.Tensor: ...
+
+    def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
+                    row_scale: torch.Tensor) -> torch.Tensor: ...
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -177,7 +199,7 @@ def _slope(capped: torch.Tensor, cap: float) -> torch.Tensor:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, vocab_size, chunk_size, group,
-                cap):
+                cap, gemms):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         partition = weight.shape[0]
         start = rank * partition
@@ -196,9 +218,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         stats[0] = float("-inf")   # a shard holding only padding rows: no mass
         whole = chunk_size is None   # the logits whole, their gradient made here (see linear_cross_entropy)
         logits = None
+        weight_q: Tuple[torch.Tensor, ...] = ()
+        if gemms is not None:
+            gemms.check_shapes(n, real, hidden.shape[1])
         with torch.autocast(hidden.device.type, enabled=False):
             for lo, hi in _chunks(n, n if whole else chunk_size) if real > 0 and n > 0 else ():
-                logits = _capped(F.linear(hidden[lo:hi], w, b), cap)                     # [c, real], input dtype
+                if gemms is not None:   # whole: one chunk
+                    logits, weight_q = gemms.forward(hidden, w)
+                    logits = _capped(logits if b is None else logits + b, cap)
+                else:
+                    logits = _capped(F.linear(hidden[lo:hi], w, b), cap)                 # [c, real], input dtype
                 _chunk_stats(logits, local_target[lo:hi], smoothing, stats[:, lo:hi])
                 if not whole:
                     del logits
@@ -217,7 +246,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
         ctx.label_smoothing, ctx.vocab_size, ctx.real, ctx.chunk_size = label_smoothing, vocab_size, real, chunk_size
-        ctx.cap = cap
+        ctx.cap, ctx.gemms = cap, gemms
         if whole:   # d loss_t / d logits_t for every token now, over the logits (the Triton pass) or beside them
             grad_logits = None
             if logits is not None and any(ctx.needs_input_grad[:3]):
@@ -227,7 +256,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if slope is not None:
                     grad_logits = grad_logits.mul_(slope)
             del logits
-            ctx.save_for_backward(hidden, weight, bias, ignored, grad_logits)
+            if gemms is not None and grad_logits is not None:   # kept in low precision until the backward
+                grad_q, grad_logits = gemms.quantize_grad(grad_logits), None
+                ctx.grad_q_len = len(grad_q)
+                ctx.save_for_backward(hidden, weight, bias, ignored, None, *grad_q, *weight_q)
+            else:
+                ctx.save_for_backward(hidden, weight, bias, ignored, grad_logits)
         else:
             ctx.save_for_backward(hidden, weight, bias, local_target, ignored, lse)
         return loss
@@ -264,22 +298,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
         if grad_bias is not None and bias_sum is not None:   # need_bias
             grad_bias[:real] = bias_sum
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _whole_backward(ctx, grad_loss):
     """The forward made ``D`` = d loss_t / d logits_t for every token; the per-token output gradient ``g``
     scales rows, so it goes on the small sides of the GEMMs: ``grad_hidden = g ⊙ (D W)``,
     ``grad_weight = Dᵀ (g ⊙ hidden)``, ``grad_bias = Dᵀ g``: no second pass over the ``[tokens, V/tp]`` logits."""
-    hidden, weight, bias, ignored, grad_logits = ctx.saved_tensors
+    hidden, weight, bias, ignored, grad_logits, *low_precision = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     real = ctx.real
     g = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).to(torch.float32)[:, None]
+    if low_precision:
+        return _low_precision_backward(ctx, low_precision, hidden, weight, bias, g)
     grad_weight = torch.zeros_like(weight) if need_weight else None
     grad_bias = torch.zeros_like(bias) if need_bias else None
     if grad_logits is None:   # a shard of padding rows only: no logits, no gradient
         return (torch.zeros_like(hidden) if need_hidden else None), grad_weight, grad_bias, \
-            None, None, None, None, None, None, None
+            None, None, None, None, None, None, None, None
     grad_hidden = None
     with torch.autocast(hidden.device.type, enabled=False):
         if need_hidden:
@@ -288,14 +324,36 @@ def _whole_backward(ctx, grad_loss):
             torch.mm(grad_logits.t(), (hidden.to(torch.float32) * g).to(hidden.dtype), out=grad_weight[:real])
         if grad_bias is not None:
             grad_bias[:real] = (grad_logits.t().to(torch.float32) @ g[:, 0]).to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+def _low_precision_backward(ctx, saved, hidden, weight, bias, g):
+    """:func:`_whole_backward` with ``D`` and the weight kept in low precision by ``ctx.gemms`` (``saved``: what
+    its ``quantize_grad`` and ``forward`` returned): ``grad_hidden = g ⊙ (D W)``, ``grad_weight = Dᵀ (g ⊙ hidden)``,
+    ``grad_bias = Dᵀ g``. The weight gradient is the GEMM's own output where every row is real (no copy)."""
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    gemms, real = ctx.gemms, ctx.real
+    grad_q, weight_q = tuple(saved[:ctx.grad_q_len]), tuple(saved[ctx.grad_q_len:])
+    grad_hidden = grad_weight = grad_bias = None
+    with torch.autocast(hidden.device.type, enabled=False):
+        if need_hidden:
+            grad_hidden = gemms.grad_hidden(grad_q, weight_q, hidden.dtype).to(torch.float32).mul_(g).to(hidden.dtype)
+        if need_weight:
+            grad_weight = gemms.grad_weight(grad_q, hidden, g)
+            if real < weight.shape[0]:   # padding rows: no gradient
+                grad_weight = torch.cat([grad_weight, grad_weight.new_zeros(weight.shape[0] - real, weight.shape[1])])
+        if need_bias:   # D dequantized once, in float32 (an output bias is rare)
+            grad_bias = torch.zeros_like(bias)
+            grad_bias[:real] = ((grad_q[0].t().to(torch.float32) @ g[:, 0]) * grad_q[-1]).to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, label_smoothing: float = 0.0, ignore_index: int = -100,
                          vocab_size: Optional[int] = None, chunk_size: Optional[int] = 4096,
                          group: Optional[dist.ProcessGroup] = None,
-                         logit_softcapping: Optional[float] = None) -> torch.Tensor:
+                         logit_softcapping: Optional[float] = None,
+                         low_precision: Optional[LowPrecisionGemms] = None) -> torch.Tensor:
     """Per-token loss ``vocab_parallel_cross_entropy(F.linear(hidden, weight, bias), target, ...)``
     (shape of ``target``; 0 where ``target == ignore_index``) without the whole logits.
 
@@ -307,7 +365,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     GEMM fewer than chunked, one fused pass instead of the unfused path's float32 softmax; the memory of one
     ``[tokens, V/tp]`` logits tensor in the input dtype from the forward to the backward). Under autocast the
     projection runs in the autocast dtype, as ``F.linear`` would. ``logit_softcapping`` c: the loss of
-    ``c · tanh(logits / c)`` (Gemma 2's capped logits).
+    ``c · tanh(logits / c)`` (Gemma 2's capped logits). ``low_precision``: the three GEMMs through these
+    (``quantization.float8_output.Float8OutputLayer``; the whole-logits path only, ``chunk_size=None``).
     """
     group = resolve_group(group)
     world = dist.get_world_size(group)
@@ -316,6 +375,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer (tokens whose logits exist at once) or None (the "
                          f"logits whole), got {chunk_size!r}.")
+    if low_precision is not None and chunk_size is not None:
+        raise ValueError(f"the output layer in low precision (Float8Config(output_layer=True)) runs on the whole-logits "
+                         f"fused loss, and chunk_size={chunk_size} asks for chunks: set the model's "
+                         f"cross_entropy_chunk_size=None, or Float8Config(output_layer=False).")
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the padded vocabulary "
                          f"over {world} tensor-parallel ranks).")
@@ -339,7 +402,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          "(or run under autocast).")
     loss = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1),
                                      float(label_smoothing), ignore_index, vocab_size, chunk_size, group,
-                                     logit_softcapping)
+                                     logit_softcapping, low_precision)
     return loss.view(target.shape)
 
 

@@ -1,0 +1,168 @@
+"""The output layer's three GEMMs in float8 (``Float8Config(output_layer=True)``), inside the fused loss.
+
+At a 128k vocabulary the output projection is a large share of a model's linear FLOPs (23% at the Llama-3-8B
+layer shape with 8 layers), and torchao's ``Float8Linear`` cannot reach it: the GEMM lives inside the fused
+linear + cross-entropy (``tensor_parallel/fused_cross_entropy.py``), which makes the logits' gradient ``D`` in
+its forward. :class:`Float8OutputLayer` gives that function its GEMMs in float8, tensorwise, as torchao's
+tensorwise recipe does for a linear:
+
+- forward ``logits = hidden @ Wᵀ``: ``hidden`` and ``W`` in e4m3, each with one dynamic scale (its amax),
+  fast accumulation (torchao's setting for the output GEMM); the float8 weight, transposed, is kept for the
+  backward.
+- ``grad_hidden = D @ W`` and ``grad_weight = Dᵀ @ (g ⊙ hidden)``: ``D`` in e5m2 with a static scale of
+  2¹⁵: every entry of ``D = softmax - (1-α)·onehot - α/V`` (times the soft-cap's slope, at most 1) lies in
+  [-1, 1], so no amax pass is needed and nothing overflows (e5m2 holds 57344); the per-token output
+  gradient ``g`` goes on the small side, cast to e4m3 with its own dynamic scale.
+
+``torch._scaled_mm`` on Hopper contracts both operands along their rows: ``grad_hidden`` needs ``W`` transposed
+and ``grad_weight`` needs ``D`` and ``hidden`` transposed. Each cast writes the layouts its GEMMs read in the
+same pass (``torch.compile``d on CUDA with ``Float8Config(compile=True)``, the default: inductor tiles the
+transposed stores); a separate ``.t().contiguous()`` of a float8 tensor is a slow strided copy (6.4 ms for ``D``
+at 8192 tokens x 128256 on an H200, more than the float8 GEMM saves). Off by default, as in
+Megatron-Core and torchtitan, which keep the output layer in high precision for accuracy: turn it on where
+the loss curve says it is safe (``benchmarks/bench_fp8.py`` compares curves). The unfused path (no labels, or
+``fused_cross_entropy=False``) runs the projection through torchao's float8 linear (``float8.Float8Matmul``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+ALIGNMENT = 16            # float8 GEMMs (torch._scaled_mm) need multiples of 16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+GRAD_SCALE = 2.0 ** 15   # |D| <= 1: D * 2^15 <= 32768 < 57344, e5m2's largest value
+EPS = 1e-12              # torchao's floor on an amax (an all-zero tensor gets a finite scale)
+
+Quantized = Tuple[torch.Tensor, torch.Tensor]   # (float8 values, the float32 scalar that dequantizes them)
+
+
+def _dynamic_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    scale = torch.finfo(dtype).max / torch.clamp(amax.to(torch.float32), min=EPS)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def _scaled(x: torch.Tensor, dtype: torch.dtype, pow2: bool,
+            row_scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (times ``row_scale``) in float32 times its tensorwise scale ``finfo.max / amax``, clamped, and
+    ``1 / scale``."""
+    x = x.to(torch.float32)
+    if row_scale is not None:
+        x = x * row_scale
+    scale = _dynamic_scale(torch.linalg.vector_norm(x, ord=float("inf")), dtype, pow2)
+    limit = torch.finfo(dtype).max
+    return (x * scale).clamp(-limit, limit), scale.reciprocal()
+
+
+def cast_to_float8(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> Quantized:
+    """``x`` in ``dtype`` with one dynamic tensorwise scale ``finfo.max / amax`` (rounded down to a power of 2
+    with ``pow2``); returns the values and ``1 / scale``."""
+    scaled, inverse = _scaled(x, dtype, pow2)
+    return scaled.to(dtype), inverse
+
+
+def cast_to_float8_both_layouts(x: torch.Tensor, dtype: torch.dtype,
+                                pow2: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_to_float8` of ``x [m, k]`` and also its transpose ``[k, m]`` made contiguous (float8 GEMMs
+    on Hopper take both operands contracted along their rows), from one read of ``x`` when compiled."""
+    scaled, inverse = _scaled(x, dtype, pow2)
+    values = scaled.to(dtype)
+    return values, values.t().contiguous(), inverse
+
+
+def cast_transposed_to_float8(x: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype,
+                              pow2: bool = False) -> Quantized:
+    """``(row_scale ⊙ x)ᵀ`` made contiguous, in ``dtype`` with its dynamic tensorwise scale, and ``1 / scale``."""
+    scaled, inverse = _scaled(x, dtype, pow2, row_scale)
+    return scaled.to(dtype).t().contiguous(), inverse
+
+
+def cast_grad_to_float8(d: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits' gradient ``d [t, v]`` (every entry in [-1, 1]) in e5m2 with the static scale ``GRAD_SCALE``,
+    in both layouts (``[t, v]`` for ``grad_hidden``, ``[v, t]`` for ``grad_weight``), and ``1 / GRAD_SCALE``."""
+    inverse = torch.full((), 1.0 / GRAD_SCALE, dtype=torch.float32, device=d.device)
+    values = (d.to(torch.float32) * GRAD_SCALE).to(E5M2)
+    return values, values.t().contiguous(), inverse
+
+
+def scaled_mm(a: Quantized, b_t: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``a @ b_tᵀ`` dequantized: ``a [m, k]`` and ``b_t [n, k]`` row-major float8 (``b_t.t()`` is the
+    column-major operand ``torch._scaled_mm`` wants)."""
+    return torch._scaled_mm(a[0], b_t[0].t(), scale_a=a[1], scale_b=b_t[1], out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+class Float8OutputLayer:
+    """A language model's output projection in float8 (what :func:`enable_fp8` puts in ``GPTModel.output_float8``
+    with ``Float8Config(output_layer=True)``). Called as ``(hidden, weight, bias)`` it is the unfused projection
+    (torchao's float8 linear); the fused loss calls :meth:`forward`, :meth:`grad_hidden` and :meth:`grad_weight`."""
+
+    def __init__(self, name: str, unfused: Callable[..., torch.Tensor], compile: bool = True,
+                 pow2: bool = False) -> None:
+        """``unfused(x, weight, bias)``: the float8 projection of the unfused path (``float8.Float8Matmul``);
+        ``compile``: the casts compiled on CUDA; ``pow2``: dynamic scales rounded down to powers of 2."""
+        self.name, self.unfused, self.compile, self.pow2 = name, unfused, compile, pow2
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.unfused(x, weight, bias)
+
+    def __repr__(self) -> str:
+        return "tensorwise output layer" + (" (compiled casts)" if self.compile else "")
+
+    def check_shapes(self, tokens: int, rows: int, hidden: int) -> None:
+        """Float8 GEMMs need every dimension a multiple of 16: this rank's vocabulary rows, the hidden size and
+        the tokens (``rows`` 0: a shard of padding rows only, which multiplies nothing)."""
+        if rows and (tokens % ALIGNMENT or rows % ALIGNMENT or hidden % ALIGNMENT):
+            raise ValueError(
+                f"{self.name}: Float8Config(output_layer=True) multiplies [{tokens} tokens x {hidden}] by "
+                f"[{rows} vocabulary rows on this rank x {hidden}] in float8, and float8 GEMMs need every dimension "
+                f"to be a multiple of {ALIGNMENT}: use a batch size x sequence length and a vocabulary (per "
+                f"tensor-parallel rank) that are, or Float8Config(output_layer=False).")
+
+    def _cast(self, role: str) -> Callable[..., Any]:
+        return _casts(self.compile)[role]
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """``hidden [t, h] @ weight [v, h]ᵀ`` in float8 → (logits in ``hidden``'s dtype, the float8 weight
+        transposed ``[h, v]`` and its inverse scale, for ``grad_hidden``)."""
+        w8, w8_t, w_inverse = self._cast("both")(weight, E4M3, self.pow2)
+        logits = scaled_mm(self._cast("rows")(hidden, E4M3, self.pow2), (w8, w_inverse), hidden.dtype,
+                           fast_accum=True)
+        return logits, (w8_t, w_inverse)
+
+    def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``D`` as ``(d8 [t, v], d8ᵀ [v, t], 1 / scale)``."""
+        return self._cast("grad")(grad_logits)
+
+    def grad_hidden(self, grad_q: Tuple[torch.Tensor, ...], weight_q: Tuple[torch.Tensor, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+        """``D @ W`` [t, h] in ``dtype``."""
+        d8, _, d_inverse = grad_q
+        return scaled_mm((d8, d_inverse), (weight_q[0], weight_q[1]), dtype, fast_accum=False)
+
+    def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
+                    row_scale: torch.Tensor) -> torch.Tensor:
+        """``Dᵀ @ (row_scale ⊙ hidden)`` [v, h] in ``hidden``'s dtype."""
+        _, d8_t, d_inverse = grad_q
+        scaled_t = self._cast("transposed")(hidden, row_scale, E4M3, self.pow2)
+        return scaled_mm((d8_t, d_inverse), scaled_t, hidden.dtype, fast_accum=False)
+
+
+_CASTS: Dict[bool, Dict[str, Callable[..., Any]]] = {}
+
+
+def _casts(compiled: bool) -> Dict[str, Callable[..., Any]]:
+    """The two casts, eager or ``torch.compile``d (each one kernel reading and writing once; automatic
+    dynamic shapes, so a new token count compiles once more at most)."""
+    if compiled not in _CASTS:
+        casts: Dict[str, Callable[..., Any]] = {"rows": cast_to_float8, "both": cast_to_float8_both_layouts,
+                                                "transposed": cast_transposed_to_float8, "grad": cast_grad_to_float8}
+        if compiled:
+            casts = {role: torch.compile(fn) for role, fn in casts.items()}
+        _CASTS[compiled] = casts
+    return _CASTS[compiled]
+
+
+__all__ = ["Float8OutputLayer", "cast_grad_to_float8", "cast_to_float8", "cast_to_float8_both_layouts",
+           "cast_transposed_to_float8", "scaled_mm"]
