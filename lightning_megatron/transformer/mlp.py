@@ -2,7 +2,8 @@
 
 The activation is applied to each rank's slice independently, which is why fc1 is split by
 columns: no communication between the two GEMMs. For SwiGLU and GeGLU, fc1 holds gate and up
-projections; ``stride=2`` makes each shard hold its slice of both.
+projections; ``stride=2`` makes each shard hold its slice of both. Their activation is ``ops/swiglu.py``'s:
+a fused Triton kernel forward and backward on CUDA (``LM_SWIGLU_KERNELS=0``: the torch expression).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import swiglu as gated
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal
 from .config import FFN_SPLIT, GATED_ACTIVATIONS, TransformerConfig, check_splits_over_tensor_parallel
@@ -39,11 +41,9 @@ class MLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.fc1(hidden)
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = gated.swiglu(h)     # silu(gate) * up; one Triton kernel each way on CUDA (ops/swiglu.py)
         elif self.activation == "geglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.gelu(gate, approximate="tanh") * up
+            h = gated.geglu(h)      # gelu_tanh(gate) * up, likewise
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.fc2(h)
