@@ -130,8 +130,11 @@ class Float8Config:
         output_layer: run a ``GPTModel``'s output projection (the vocabulary GEMMs inside its fused loss, and
             the unfused logits) in float8 too (``quantization/float8_output.py``; tensorwise only; the model's
             ``cross_entropy_chunk_size`` must be None). Default False: Megatron-Core and torchtitan keep the
-            output layer in high precision for accuracy; at a 128k vocabulary it is a large share of the
-            linear FLOPs (see ``benchmarks/RESULTS.md`` for the speed and the loss curve).
+            output layer in high precision for accuracy, and so should you for now: on an H200 it made the
+            Llama-3-8B layer shape's step 1.37x our compiled bf16 (1.22x with the linears alone), but in the one
+            GPU loss-curve run (GPT-1.3B, ``bench_fp8.py``, 100 steps) the loss left its early plateau ~40 steps
+            later than bf16 (8.04 vs 3.21 at steps 91-100), where the same comparison on the CPU tracks bf16
+            within 0.3% (``benchmarks/RESULTS.md``). Experimental until that is understood.
     """
 
     recipe: str = "tensorwise"

@@ -216,9 +216,11 @@ def test_gpu_each_gemm_equals_its_definition(one_rank, compiled):
     h, w = dequantized(hidden, E4M3), dequantized(weight, E4M3)
     d8 = dequantized(d.bfloat16(), E5M2, scale=2.0 ** 15)
     assert logits.dtype == torch.bfloat16 and _relative(logits, h @ w.t()) < 5e-3     # fast accumulation, bf16 out
-    assert _relative(fp8.grad_hidden(grad_q, weight_q, torch.float32), d8 @ w) < 1e-5
+    # Hopper's float8 tensor cores accumulate with fewer bits than float32 even without fast accumulation:
+    # 3.8e-4 measured on an H200 (torch 2.11), against 1e-5 on the CPU
+    assert _relative(fp8.grad_hidden(grad_q, weight_q, torch.float32), d8 @ w) < 2e-3
     scaled = dequantized(hidden.float() * g[:, None], E4M3)
-    assert _relative(fp8.grad_weight(grad_q, hidden.float(), g[:, None]), d8.t() @ scaled) < 1e-5
+    assert _relative(fp8.grad_weight(grad_q, hidden.float(), g[:, None]), d8.t() @ scaled) < 2e-3
     # every layout the casts wrote holds x's values (to e4m3's / e5m2's rounding)
     assert torch.equal(grad_q[1].view(torch.uint8), grad_q[0].view(torch.uint8).t().contiguous())
     assert (weight_q[0].float().t() * weight_q[1] - weight.float()).abs().max() <= weight.float().abs().max() / 8
