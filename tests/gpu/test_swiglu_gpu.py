@@ -9,15 +9,12 @@ The reference is float64 because torch's own float32 GeGLU backward loses digits
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers.gated_activations import FUNCTIONS, forward_backward, inputs, reference
 from lightning_megatron.ops import swiglu as gated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gated.triton is None, reason="the kernels need Triton")]
 
-REFERENCE = {"swiglu": lambda gate, up: F.silu(gate) * up,
-             "geglu": lambda gate, up: F.gelu(gate, approximate="tanh") * up}
-FUNCTIONS = {"swiglu": gated.swiglu, "geglu": gated.geglu}
 KERNELS = {"swiglu": gated.kernel_swiglu, "geglu": gated.kernel_geglu}
 DTYPES = [torch.float32, torch.bfloat16]
 # F = 14336 (Llama-3-8B: 14 full blocks), 1000 and 3 (one partial block), 2500 (full blocks, then a partial one)
@@ -30,32 +27,8 @@ def _tolerance(dtype):
     return {"rtol": 1e-6, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
 
 
-def _inputs(shape, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    h = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dtype)
-    grad = torch.randn(shape[:-1] + (shape[-1] // 2,), device="cuda", generator=gen).to(dtype)
-    return h, grad
-
-
-def _forward_backward(fn, h0, grad, dtype=None):
-    """(output, gradient of h) of ``fn``; ``dtype``: computed from float64 copies, then rounded to it."""
-    h = (h0.double() if dtype is not None else h0).detach().clone().requires_grad_()
-    out = fn(h)
-    out.backward(grad.double() if dtype is not None else grad)
-    if dtype is not None:
-        return out.detach().to(dtype), h.grad.to(dtype)
-    return out.detach(), h.grad
-
-
-def _reference(activation):
-    def fn(h):
-        gate, up = h.chunk(2, dim=-1)
-        return REFERENCE[activation](gate, up)
-    return fn
-
-
 def _check(out, dh, h, grad, activation, dtype):
-    ref_out, ref_dh = _forward_backward(_reference(activation), h, grad, dtype)
+    ref_out, ref_dh = forward_backward(reference(activation), h, grad, dtype)
     assert out.dtype == dtype and dh.dtype == dtype
     assert out.shape == ref_out.shape and dh.shape == h.shape
     torch.testing.assert_close(out, ref_out, **_tolerance(dtype))
@@ -66,10 +39,10 @@ def _check(out, dh, h, grad, activation, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernels_equal_the_torch_expression(activation, dtype, shape):
-    h, grad = _inputs(shape, dtype)
+    h, grad = inputs(shape, dtype, device="cuda")
     with gated.kernels_enabled(True):
         assert gated.implementation(h, activation) is KERNELS[activation]
-        out, dh = _forward_backward(FUNCTIONS[activation], h, grad)
+        out, dh = forward_backward(FUNCTIONS[activation], h, grad)
     _check(out, dh, h, grad, activation, dtype)
 
 
@@ -77,7 +50,7 @@ def test_kernels_equal_the_torch_expression(activation, dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
 def test_non_contiguous_inputs_and_output_gradients(activation, dtype):
     ffn, rows = 1000, 24
-    wide, grad_wide = _inputs((rows, 2 * ffn + 40), dtype, seed=1)
+    wide, grad_wide = inputs((rows, 2 * ffn + 40), dtype, seed=1, device="cuda")
     cases = {
         "rows-apart": (wide[:, :2 * ffn], grad_wide[:, :ffn]),                 # a view: rows 2F + 40 apart
         "transposed": (wide[:, :2 * ffn].t().contiguous().t(), grad_wide[:, 5:5 + ffn].t().contiguous().t()),
@@ -87,7 +60,7 @@ def test_non_contiguous_inputs_and_output_gradients(activation, dtype):
     for name, (h, grad) in cases.items():
         assert not h.is_contiguous(), name
         with gated.kernels_enabled(True):
-            out, dh = _forward_backward(FUNCTIONS[activation], h, grad)
+            out, dh = forward_backward(FUNCTIONS[activation], h, grad)
         _check(out, dh, h, grad, activation, dtype)
 
 
@@ -112,10 +85,10 @@ def test_compiled_one_graph_that_launches_the_kernels_same_numbers(activation, d
         return fn(h * 2.0) * 0.5
 
     compiled = torch.compile(body, backend=counter, fullgraph=True)
-    h, grad = _inputs((3, 8, 2 * 1000), dtype, seed=2)
+    h, grad = inputs((3, 8, 2 * 1000), dtype, seed=2, device="cuda")
     with gated.kernels_enabled(True):
-        out, dh = _forward_backward(compiled, h, grad)
-        eager_out, eager_dh = _forward_backward(body, h, grad)
+        out, dh = forward_backward(compiled, h, grad)
+        eager_out, eager_dh = forward_backward(body, h, grad)
     assert counter.frame_count == 1
     assert any("lightning_megatron.gated_activation" in g for g in graphs), graphs
     torch.testing.assert_close(out, eager_out, **_tolerance(dtype))
@@ -123,7 +96,7 @@ def test_compiled_one_graph_that_launches_the_kernels_same_numbers(activation, d
     with gated.kernels_enabled(False):   # the switch is read when tracing: off, the graph has no kernel
         torch._dynamo.reset()
         graphs.clear()
-        off_out, off_dh = _forward_backward(compiled, h, grad)
+        off_out, off_dh = forward_backward(compiled, h, grad)
     assert graphs and not any("gated_activation" in g for g in graphs), graphs
     # inductor's own fusion of the torch expression: its float32 GeGLU backward cancels as torch's does
     torch.testing.assert_close(off_out, eager_out, rtol=1e-2, atol=1e-3)

@@ -5,43 +5,18 @@ switch on. The kernels themselves: tests/gpu/test_swiglu_gpu.py."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers.gated_activations import FUNCTIONS, REFERENCE, forward_backward, inputs, reference
 from lightning_megatron.ops import swiglu as gated
-
-REFERENCE = {"swiglu": lambda gate, up: F.silu(gate) * up,
-             "geglu": lambda gate, up: F.gelu(gate, approximate="tanh") * up}
-FUNCTIONS = {"swiglu": gated.swiglu, "geglu": gated.geglu}
-
-
-def _inputs(shape, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    h = (torch.randn(shape, generator=gen) * 3).to(dtype)
-    grad = torch.randn(shape[:-1] + (shape[-1] // 2,), generator=gen).to(dtype)
-    return h, grad
-
-
-def _forward_backward(fn, h0, grad):
-    h = h0.clone().requires_grad_()
-    out = fn(h)
-    out.backward(grad)
-    return out.detach(), h.grad
-
-
-def _reference(activation):
-    def fn(h):
-        gate, up = h.chunk(2, dim=-1)
-        return REFERENCE[activation](gate, up)
-    return fn
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("shape", [(7, 2 * 6), (5, 3, 2 * 9)], ids=["2d", "3d"])
 def test_equals_the_torch_expression_exactly(activation, dtype, shape):
-    h, grad = _inputs(shape, dtype)
-    out, dh = _forward_backward(FUNCTIONS[activation], h, grad)
-    ref_out, ref_dh = _forward_backward(_reference(activation), h, grad)
+    h, grad = inputs(shape, dtype)
+    out, dh = forward_backward(FUNCTIONS[activation], h, grad)
+    ref_out, ref_dh = forward_backward(reference(activation), h, grad)
     assert out.dtype == dtype and out.shape == shape[:-1] + (shape[-1] // 2,)
     assert torch.equal(out, ref_out) and torch.equal(dh, ref_dh)
 
@@ -56,9 +31,9 @@ def test_compiles_into_one_graph_with_the_same_numbers(activation, dtype):
     counter = CompileCounterWithBackend("aot_eager")   # dynamo's graph through AOTAutograd, run as it is
     fn = FUNCTIONS[activation]
     compiled = torch.compile(lambda h: fn(h) * 2.0, backend=counter, fullgraph=True)   # fullgraph: a break raises
-    h, grad = _inputs((6, 2 * 10), dtype)
-    out, dh = _forward_backward(compiled, h, grad)
-    ref_out, ref_dh = _forward_backward(lambda h: _reference(activation)(h) * 2.0, h, grad)
+    h, grad = inputs((6, 2 * 10), dtype)
+    out, dh = forward_backward(compiled, h, grad)
+    ref_out, ref_dh = forward_backward(lambda h: reference(activation)(h) * 2.0, h, grad)
     assert counter.frame_count == 1
     assert torch.equal(out, ref_out) and torch.equal(dh, ref_dh)
 
