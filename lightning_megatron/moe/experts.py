@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops import swiglu as gated
 from ..tensor_parallel.layers import (
     ColumnParallelLinear, InitMethod, RowParallelLinear, init_method_normal, init_sharded_,
 )
@@ -41,9 +42,8 @@ BACKENDS = ("auto", "grouped_mm", "loop", "bmm")
 
 
 def _activate(h: Tensor, activation: str) -> Tensor:
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    if activation == "swiglu":   # silu(gate) * up: the dense MLP's Triton kernel on CUDA (ops/swiglu.py)
+        return gated.swiglu(h)
     return F.gelu(h)
 
 
