@@ -416,7 +416,7 @@ def _convert_output_layers(model: nn.Module, config: Float8Config) -> List[str]:
                              f"multiples of {ALIGNMENT}: pad the vocabulary to a multiple of {ALIGNMENT * tp}, or "
                              f"set output_layer=False.")
         lm.output_float8 = Float8OutputLayer(label, Float8Matmul(config, label), config.compile,
-                                             bool(config.round_scales_to_power_of_2))
+                                             bool(config.round_scales_to_power_of_2), config.emulate)
         converted.append(label)
     return converted
 

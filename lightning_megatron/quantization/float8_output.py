@@ -86,9 +86,13 @@ def cast_grad_to_float8(d: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, to
     return values, values.t().contiguous(), inverse
 
 
-def scaled_mm(a: Quantized, b_t: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def scaled_mm(a: Quantized, b_t: Quantized, out_dtype: torch.dtype, fast_accum: bool,
+              emulate: bool = False) -> torch.Tensor:
     """``a @ b_tᵀ`` dequantized: ``a [m, k]`` and ``b_t [n, k]`` row-major float8 (``b_t.t()`` is the
-    column-major operand ``torch._scaled_mm`` wants)."""
+    column-major operand ``torch._scaled_mm`` wants). ``emulate``: the float8 values dequantized and multiplied in
+    float32 (torchao's emulation: any device, no float8 GEMM)."""
+    if emulate:
+        return ((a[0].to(torch.float32) * a[1]) @ (b_t[0].to(torch.float32) * b_t[1]).t()).to(out_dtype)
     return torch._scaled_mm(a[0], b_t[0].t(), scale_a=a[1], scale_b=b_t[1], out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
@@ -99,16 +103,17 @@ class Float8OutputLayer:
     (torchao's float8 linear); the fused loss calls :meth:`forward`, :meth:`grad_hidden` and :meth:`grad_weight`."""
 
     def __init__(self, name: str, unfused: Callable[..., torch.Tensor], compile: bool = True,
-                 pow2: bool = False) -> None:
+                 pow2: bool = False, emulate: bool = False) -> None:
         """``unfused(x, weight, bias)``: the float8 projection of the unfused path (``float8.Float8Matmul``);
-        ``compile``: the casts compiled on CUDA; ``pow2``: dynamic scales rounded down to powers of 2."""
-        self.name, self.unfused, self.compile, self.pow2 = name, unfused, compile, pow2
+        ``compile``: the casts compiled; ``pow2``: dynamic scales rounded down to powers of 2; ``emulate``: float8
+        values multiplied in float32 (``Float8Config(emulate=True)``: GPUs without float8 GEMMs)."""
+        self.name, self.unfused, self.compile, self.pow2, self.emulate = name, unfused, compile, pow2, emulate
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.unfused(x, weight, bias)
 
     def __repr__(self) -> str:
-        return "tensorwise output layer" + (" (compiled casts)" if self.compile else "")
+        return "tensorwise output layer" + (" (emulated)" if self.emulate else "")
 
     def check_shapes(self, tokens: int, rows: int, hidden: int) -> None:
         """Float8 GEMMs need every dimension a multiple of 16: this rank's vocabulary rows, the hidden size and
@@ -128,7 +133,7 @@ class Float8OutputLayer:
         transposed ``[h, v]`` and its inverse scale, for ``grad_hidden``)."""
         w8, w8_t, w_inverse = self._cast("both")(weight, E4M3, self.pow2)
         logits = scaled_mm(self._cast("rows")(hidden, E4M3, self.pow2), (w8, w_inverse), hidden.dtype,
-                           fast_accum=True)
+                           fast_accum=True, emulate=self.emulate)
         return logits, (w8_t, w_inverse)
 
     def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -139,14 +144,14 @@ class Float8OutputLayer:
                     dtype: torch.dtype) -> torch.Tensor:
         """``D @ W`` [t, h] in ``dtype``."""
         d8, _, d_inverse = grad_q
-        return scaled_mm((d8, d_inverse), (weight_q[0], weight_q[1]), dtype, fast_accum=False)
+        return scaled_mm((d8, d_inverse), (weight_q[0], weight_q[1]), dtype, fast_accum=False, emulate=self.emulate)
 
     def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
                     row_scale: torch.Tensor) -> torch.Tensor:
         """``Dᵀ @ (row_scale ⊙ hidden)`` [v, h] in ``hidden``'s dtype."""
         _, d8_t, d_inverse = grad_q
         scaled_t = self._cast("transposed")(hidden, row_scale, E4M3, self.pow2)
-        return scaled_mm((d8_t, d_inverse), scaled_t, hidden.dtype, fast_accum=False)
+        return scaled_mm((d8_t, d_inverse), scaled_t, hidden.dtype, fast_accum=False, emulate=self.emulate)
 
 
 _CASTS: Dict[bool, Dict[str, Callable[..., Any]]] = {}

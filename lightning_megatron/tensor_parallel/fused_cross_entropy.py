@@ -376,8 +376,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"chunk_size must be a positive integer (tokens whose logits exist at once) or None (the "
                          f"logits whole), got {chunk_size!r}.")
     if low_precision is not None and chunk_size is not None:
-        raise ValueError(f"the output layer in low precision (Float8Config(output_layer=True)) runs on the whole-logits "
-                         f"fused loss, and chunk_size={chunk_size} asks for chunks: set the model's "
+        raise ValueError(f"the output layer in low precision (Float8Config(output_layer=True)) runs on the "
+                         f"whole-logits fused loss, and chunk_size={chunk_size} asks for chunks: set the model's "
                          f"cross_entropy_chunk_size=None, or Float8Config(output_layer=False).")
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (the padded vocabulary "

@@ -16,7 +16,7 @@ EMULATED = dict(compile=False, emulate=True)
 
 
 def dequantized(x, dtype, scale=None):
-    """``x`` rounded through ``dtype`` with the tensorwise scale ``finfo.max / amax`` (or ``scale``), back in float32."""
+    """``x`` rounded through ``dtype`` with the tensorwise scale ``finfo.max / amax`` (or ``scale``), in float32."""
     x = x.float()
     if scale is None:
         scale = torch.finfo(dtype).max / x.abs().max().clamp(min=1e-12)
@@ -71,6 +71,15 @@ def test_the_three_gemms_equal_the_definition(one_rank):
     assert not torch.equal(grad_weight, hp_weight)
     assert F.cosine_similarity(grad_weight.flatten(), hp_weight.flatten(), dim=0) > 0.98
     assert F.cosine_similarity(grad_hidden.flatten(), hp_hidden.flatten(), dim=0) > 0.98
+
+
+def test_emulation_multiplies_the_same_float8_values_in_float32(one_rank):
+    hidden, weight, target, g = _inputs()
+    real = _run(hidden, weight, target, g, low_precision=Float8OutputLayer("o", F.linear, compile=False))
+    emulated = _run(hidden, weight, target, g, low_precision=Float8OutputLayer("o", F.linear, compile=False,
+                                                                                emulate=True))
+    for a, b in zip(real, emulated):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_an_output_bias(one_rank):
@@ -148,7 +157,8 @@ def tiny_gpt(**kwargs):
 def test_gpt_model_output_layer_in_float8(one_rank, monkeypatch):
     ref, model = tiny_gpt(fused_cross_entropy=True), tiny_gpt(fused_cross_entropy=True)
     names = enable_fp8(model, Float8Config(output_layer=True, **EMULATED))
-    assert "output_layer" in names and len(names) == 9 and repr(model.output_float8) == "tensorwise output layer"
+    assert "output_layer" in names and len(names) == 9
+    assert repr(model.output_float8) == "tensorwise output layer (emulated)" and model.output_float8.emulate
     assert enable_fp8(tiny_gpt(), Float8Config(**EMULATED)) == names[:-1]     # off by default
     calls = []
     forward = Float8OutputLayer.forward
