@@ -73,9 +73,10 @@ def kernels_run(h: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(h_ptr, out_ptr, ffn, stride_h, GELU: tl.constexpr, BLOCK: tl.constexpr):
-        """out[t, f] = act(h[t, f]) · h[t, ffn + f] for the columns of one block of one row; ``out`` is
-        ``[T, ffn]`` contiguous, ``h``'s rows ``stride_h`` apart (its columns contiguous)."""
+    def _gate_and_up(h_ptr, ffn, stride_h, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's row, its block of columns and their mask, the row's gate and up there (float32) and the
+        activation's argument ``v`` (the gate for SiLU, ``2·√(2/π)·(x + 0.044715·x³)`` for tanh GELU), with
+        ``h``'s rows ``stride_h`` apart (its columns contiguous)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < ffn
@@ -83,27 +84,25 @@ if triton is not None:
         gate = tl.load(h_row + cols, mask=inside, other=0.0).to(tl.float32)
         up = tl.load(h_row + ffn + cols, mask=inside, other=0.0).to(tl.float32)
         if GELU:   # 2·√(2/π) = 1.5957691216057308
-            sig = tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+            v = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
         else:
-            sig = tl.sigmoid(gate)
-        out = gate * sig * up
+            v = gate
+        return row, cols, inside, gate, up, v
+
+    @triton.jit
+    def _forward_kernel(h_ptr, out_ptr, ffn, stride_h, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t, f] = act(h[t, f]) · h[t, ffn + f] for the columns of one block of one row; ``out`` is
+        ``[T, ffn]`` contiguous."""
+        row, cols, inside, gate, up, v = _gate_and_up(h_ptr, ffn, stride_h, GELU, BLOCK)
+        out = gate * tl.sigmoid(v) * up
         tl.store(out_ptr + row * ffn + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _backward_kernel(h_ptr, grad_ptr, dh_ptr, ffn, stride_h, stride_g, GELU: tl.constexpr, BLOCK: tl.constexpr):
         """dh[t, f] = g · up · act'(gate) and dh[t, ffn + f] = g · act(gate) for one block of one row, with
         gate = h[t, f], up = h[t, ffn + f], g = grad[t, f]; ``dh`` is ``[T, 2·ffn]`` contiguous."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < ffn
-        h_row = h_ptr + row * stride_h
-        gate = tl.load(h_row + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(h_row + ffn + cols, mask=inside, other=0.0).to(tl.float32)
+        row, cols, inside, gate, up, v = _gate_and_up(h_ptr, ffn, stride_h, GELU, BLOCK)
         g = tl.load(grad_ptr + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
-        if GELU:
-            v = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
-        else:
-            v = gate
         sig = tl.sigmoid(v)
         rest = tl.sigmoid(-v)   # 1 - σ(v) without cancelling where σ(v) nears 1 (no NaN where exp overflows)
         if GELU:
