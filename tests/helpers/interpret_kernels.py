@@ -56,6 +56,24 @@ for chunk in (None, 16):
         results[f"fused loss chunk={chunk} smoothing={smoothing}"] = all(
             torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*runs))
 
+# -- the float8 output layer's GEMMs around those passes (the GPU's path: the gradient pass writes D over the
+#    float8 GEMM's logits, then D is cast): against the torch passes, to bf16 D's rounding moving e5m2 steps
+from lightning_megatron.quantization.float8_output import Float8OutputLayer
+hidden = torch.randn(64, 32, generator=gen).bfloat16()
+weight = (torch.randn(320, 32, generator=gen) * 0.3).bfloat16()
+target = torch.randint(0, 320, (64,), generator=gen)
+runs = []
+for kernels in (False, True):
+    fce._use_kernels = (lambda x: True) if kernels else (lambda x: False)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fce.linear_cross_entropy(h, w, target, chunk_size=None,
+                                    low_precision=Float8OutputLayer("output_layer", torch.nn.functional.linear,
+                                                                    compile=False))
+    loss.backward(torch.rand(64, generator=torch.Generator().manual_seed(2)))
+    runs.append((loss.detach().float(), h.grad.float(), w.grad.float()))
+results["float8 output layer around the fused loss's passes"] = all(
+    ((a - b).norm() <= 2e-2 * b.norm()).item() for a, b in zip(*runs))
+
 # -- MoE permute / unpermute
 from lightning_megatron.ops import moe_permute as pk
 import importlib
