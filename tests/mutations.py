@@ -222,8 +222,8 @@ MUTATIONS: List[Mutation] = [
                            "test_inductor_layers_equal_eager_with_dropout_under_tensor_parallel[True]",), ci=False),
     # the whole-logits fused loss: the per-token output gradient left off the hidden states' gradient
     Mutation("whole-logits-loss-grad-unscaled", "lightning_megatron/tensor_parallel/fused_cross_entropy.py",
-             "torch.mm(grad_logits, weight[:real]).to(torch.float32).mul_(g)",
-             "torch.mm(grad_logits, weight[:real]).to(torch.float32)",
+             "gemms.grad_hidden(grad_q, weight_q, hidden.dtype).to(torch.float32).mul_(g)",
+             "gemms.grad_hidden(grad_q, weight_q, hidden.dtype).to(torch.float32)",
              ("tests/unit/tensor_parallel/test_fused_cross_entropy.py::test_matches_unfused[1]",), ci=False),
     # query/key norms: their one weight serves every tp rank's heads; the gradient left unsummed over tp
     Mutation("qk-norm-grads-not-summed-over-tp", "lightning_megatron/transformer/attention.py",

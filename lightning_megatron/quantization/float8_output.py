@@ -33,14 +33,8 @@ import torch
 ALIGNMENT = 16            # float8 GEMMs (torch._scaled_mm) need multiples of 16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GRAD_SCALE = 2.0 ** 15   # |D| <= 1: D * 2^15 <= 32768 < 57344, e5m2's largest value
-EPS = 1e-12              # torchao's floor on an amax (an all-zero tensor gets a finite scale)
 
 Quantized = Tuple[torch.Tensor, torch.Tensor]   # (float8 values, the float32 scalar that dequantizes them)
-
-
-def _dynamic_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    scale = torch.finfo(dtype).max / torch.clamp(amax.to(torch.float32), min=EPS)
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
 def _scaled(x: torch.Tensor, dtype: torch.dtype, pow2: bool,
@@ -50,7 +44,9 @@ def _scaled(x: torch.Tensor, dtype: torch.dtype, pow2: bool,
     x = x.to(torch.float32)
     if row_scale is not None:
         x = x * row_scale
-    scale = _dynamic_scale(torch.linalg.vector_norm(x, ord=float("inf")), dtype, pow2)
+    from torchao.float8.float8_utils import amax_to_scale   # torchao's: float64 division, alike eager and compiled
+
+    scale = amax_to_scale(torch.linalg.vector_norm(x, ord=float("inf")), dtype, pow2)
     limit = torch.finfo(dtype).max
     return (x * scale).clamp(-limit, limit), scale.reciprocal()
 
@@ -128,13 +124,14 @@ class Float8OutputLayer:
     def _cast(self, role: str) -> Callable[..., Any]:
         return _casts(self.compile)[role]
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
-        """``hidden [t, h] @ weight [v, h]ᵀ`` in float8 → (logits in ``hidden``'s dtype, the float8 weight
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """``hidden [t, h] @ weight [v, h]ᵀ (+ bias)`` in float8 → (logits in ``hidden``'s dtype, the float8 weight
         transposed ``[h, v]`` and its inverse scale, for ``grad_hidden``)."""
         w8, w8_t, w_inverse = self._cast("both")(weight, E4M3, self.pow2)
         logits = scaled_mm(self._cast("rows")(hidden, E4M3, self.pow2), (w8, w_inverse), hidden.dtype,
                            fast_accum=True, emulate=self.emulate)
-        return logits, (w8_t, w_inverse)
+        return (logits if bias is None else logits + bias), (w8_t, w_inverse)
 
     def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """``D`` as ``(d8 [t, v], d8ᵀ [v, t], 1 / scale)``."""
@@ -152,6 +149,11 @@ class Float8OutputLayer:
         _, d8_t, d_inverse = grad_q
         scaled_t = self._cast("transposed")(hidden, row_scale, E4M3, self.pow2)
         return scaled_mm((d8_t, d_inverse), scaled_t, hidden.dtype, fast_accum=False, emulate=self.emulate)
+
+    def grad_bias(self, grad_q: Tuple[torch.Tensor, ...], row_scale: torch.Tensor) -> torch.Tensor:
+        """``Dᵀ @ row_scale`` [v] in float32 (``D`` dequantized: an output bias is rare)."""
+        d8, _, d_inverse = grad_q
+        return (d8.t().to(torch.float32) @ row_scale[:, 0]) * d_inverse
 
 
 _CASTS: Dict[bool, Dict[str, Callable[..., Any]]] = {}

@@ -62,18 +62,14 @@ SWITCH = KernelSwitch(ENV)
 BLOCK = 2048                     # vocabulary columns a kernel program holds at once
 
 
-class LowPrecisionGemms(Protocol):
-    """The output layer's GEMMs in low precision for the whole-logits path (``quantization.float8_output``'s
-    ``Float8OutputLayer``): ``forward`` gives the logits and what the backward needs of the weight,
-    ``quantize_grad`` the logits' gradient as the backward's GEMMs read it; called, the unfused projection."""
+class WholeLogitsGemms(Protocol):
+    """The whole-logits path's three GEMMs: ``forward`` gives the logits and the weight as ``grad_hidden`` reads
+    it, ``quantize_grad`` keeps the logits' gradient ``D`` as the backward's GEMMs read it (until the backward).
+    :data:`INPUT_DTYPE_GEMMS` multiplies in the input dtype; ``quantization.float8_output.Float8OutputLayer`` in
+    float8."""
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ...
-
-    def check_shapes(self, tokens: int, rows: int, hidden: int) -> None: ...
-
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
-        ...
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]: ...
 
     def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]: ...
 
@@ -82,6 +78,43 @@ class LowPrecisionGemms(Protocol):
 
     def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
                     row_scale: torch.Tensor) -> torch.Tensor: ...
+
+    def grad_bias(self, grad_q: Tuple[torch.Tensor, ...], row_scale: torch.Tensor) -> torch.Tensor: ...
+
+
+class LowPrecisionGemms(WholeLogitsGemms, Protocol):
+    """:class:`WholeLogitsGemms` in low precision, which also checks the shapes it can multiply and, called, is the
+    unfused projection (``parallel_logits``'s ``matmul``)."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ...
+
+    def check_shapes(self, tokens: int, rows: int, hidden: int) -> None: ...
+
+
+class _InputDtypeGemms:
+    """The whole-logits GEMMs in the input dtype (float32 accumulation, as ``F.linear``)."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        return F.linear(hidden, weight, bias), (weight,)
+
+    def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return (grad_logits,)
+
+    def grad_hidden(self, grad_q: Tuple[torch.Tensor, ...], weight_q: Tuple[torch.Tensor, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+        return torch.mm(grad_q[0], weight_q[0])
+
+    def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
+                    row_scale: torch.Tensor) -> torch.Tensor:
+        return torch.mm(grad_q[0].t(), (hidden.to(torch.float32) * row_scale).to(hidden.dtype))
+
+    def grad_bias(self, grad_q: Tuple[torch.Tensor, ...], row_scale: torch.Tensor) -> torch.Tensor:
+        return grad_q[0].t().to(torch.float32) @ row_scale[:, 0]
+
+
+INPUT_DTYPE_GEMMS: WholeLogitsGemms = _InputDtypeGemms()
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -221,11 +254,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight_q: Tuple[torch.Tensor, ...] = ()
         if gemms is not None:
             gemms.check_shapes(n, real, hidden.shape[1])
+        whole_gemms: WholeLogitsGemms = gemms if gemms is not None else INPUT_DTYPE_GEMMS
         with torch.autocast(hidden.device.type, enabled=False):
             for lo, hi in _chunks(n, n if whole else chunk_size) if real > 0 and n > 0 else ():
-                if gemms is not None:   # whole: one chunk
-                    logits, weight_q = gemms.forward(hidden, w)
-                    logits = _capped(logits if b is None else logits + b, cap)
+                if whole:   # one chunk
+                    logits, weight_q = whole_gemms.forward(hidden, w, b)
+                    logits = _capped(logits, cap)                                       # [n, real], input dtype
                 else:
                     logits = _capped(F.linear(hidden[lo:hi], w, b), cap)                 # [c, real], input dtype
                 _chunk_stats(logits, local_target[lo:hi], smoothing, stats[:, lo:hi])
@@ -246,7 +280,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
 
         ctx.label_smoothing, ctx.vocab_size, ctx.real, ctx.chunk_size = label_smoothing, vocab_size, real, chunk_size
-        ctx.cap, ctx.gemms = cap, gemms
+        ctx.cap, ctx.gemms = cap, whole_gemms
         if whole:   # d loss_t / d logits_t for every token now, over the logits (the Triton pass) or beside them
             grad_logits = None
             if logits is not None and any(ctx.needs_input_grad[:3]):
@@ -256,12 +290,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if slope is not None:
                     grad_logits = grad_logits.mul_(slope)
             del logits
-            if gemms is not None and grad_logits is not None:   # kept in low precision until the backward
-                grad_q, grad_logits = gemms.quantize_grad(grad_logits), None
-                ctx.grad_q_len = len(grad_q)
-                ctx.save_for_backward(hidden, weight, bias, ignored, None, *grad_q, *weight_q)
-            else:
-                ctx.save_for_backward(hidden, weight, bias, ignored, grad_logits)
+            grad_q = whole_gemms.quantize_grad(grad_logits) if grad_logits is not None else ()
+            del grad_logits
+            ctx.grad_q_len = len(grad_q)   # none: a shard of padding rows only, or no gradient asked for
+            ctx.save_for_backward(hidden, weight, bias, ignored, *grad_q, *(weight_q if grad_q else ()))
         else:
             ctx.save_for_backward(hidden, weight, bias, local_target, ignored, lse)
         return loss
@@ -302,39 +334,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _whole_backward(ctx, grad_loss):
-    """The forward made ``D`` = d loss_t / d logits_t for every token; the per-token output gradient ``g``
-    scales rows, so it goes on the small sides of the GEMMs: ``grad_hidden = g ⊙ (D W)``,
-    ``grad_weight = Dᵀ (g ⊙ hidden)``, ``grad_bias = Dᵀ g``: no second pass over the ``[tokens, V/tp]`` logits."""
-    hidden, weight, bias, ignored, grad_logits, *low_precision = ctx.saved_tensors
+    """The forward made ``D`` = d loss_t / d logits_t for every token (kept by ``ctx.gemms``); the per-token output
+    gradient ``g`` scales rows, so it goes on the small sides of the GEMMs: ``grad_hidden = g ⊙ (D W)``,
+    ``grad_weight = Dᵀ (g ⊙ hidden)``, ``grad_bias = Dᵀ g``: no second pass over the ``[tokens, V/tp]`` logits. The
+    weight gradient is the GEMM's own output where every row of the shard is real (no zero fill, no copy)."""
+    hidden, weight, bias, ignored, *kept = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    real = ctx.real
+    real, gemms = ctx.real, ctx.gemms
     g = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).to(torch.float32)[:, None]
-    if low_precision:
-        return _low_precision_backward(ctx, low_precision, hidden, weight, bias, g)
-    grad_weight = torch.zeros_like(weight) if need_weight else None
-    grad_bias = torch.zeros_like(bias) if need_bias else None
-    if grad_logits is None:   # a shard of padding rows only: no logits, no gradient
-        return (torch.zeros_like(hidden) if need_hidden else None), grad_weight, grad_bias, \
-            None, None, None, None, None, None, None, None
-    grad_hidden = None
-    with torch.autocast(hidden.device.type, enabled=False):
-        if need_hidden:
-            grad_hidden = torch.mm(grad_logits, weight[:real]).to(torch.float32).mul_(g).to(hidden.dtype)
-        if grad_weight is not None:
-            torch.mm(grad_logits.t(), (hidden.to(torch.float32) * g).to(hidden.dtype), out=grad_weight[:real])
-        if grad_bias is not None:
-            grad_bias[:real] = (grad_logits.t().to(torch.float32) @ g[:, 0]).to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
-
-
-def _low_precision_backward(ctx, saved, hidden, weight, bias, g):
-    """:func:`_whole_backward` with ``D`` and the weight kept in low precision by ``ctx.gemms`` (``saved``: what
-    its ``quantize_grad`` and ``forward`` returned): ``grad_hidden = g ⊙ (D W)``, ``grad_weight = Dᵀ (g ⊙ hidden)``,
-    ``grad_bias = Dᵀ g``. The weight gradient is the GEMM's own output where every row is real (no copy)."""
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    gemms, real = ctx.gemms, ctx.real
-    grad_q, weight_q = tuple(saved[:ctx.grad_q_len]), tuple(saved[ctx.grad_q_len:])
+    grad_q, weight_q = tuple(kept[:ctx.grad_q_len]), tuple(kept[ctx.grad_q_len:])
     grad_hidden = grad_weight = grad_bias = None
+    if not grad_q:   # a shard of padding rows only: no logits, no gradient
+        return (torch.zeros_like(hidden) if need_hidden else None), (torch.zeros_like(weight) if need_weight else None), \
+            (torch.zeros_like(bias) if need_bias else None), None, None, None, None, None, None, None, None
     with torch.autocast(hidden.device.type, enabled=False):
         if need_hidden:
             grad_hidden = gemms.grad_hidden(grad_q, weight_q, hidden.dtype).to(torch.float32).mul_(g).to(hidden.dtype)
@@ -342,9 +354,9 @@ def _low_precision_backward(ctx, saved, hidden, weight, bias, g):
             grad_weight = gemms.grad_weight(grad_q, hidden, g)
             if real < weight.shape[0]:   # padding rows: no gradient
                 grad_weight = torch.cat([grad_weight, grad_weight.new_zeros(weight.shape[0] - real, weight.shape[1])])
-        if need_bias:   # D dequantized once, in float32 (an output bias is rare)
+        if need_bias:
             grad_bias = torch.zeros_like(bias)
-            grad_bias[:real] = ((grad_q[0].t().to(torch.float32) @ g[:, 0]) * grad_q[-1]).to(bias.dtype)
+            grad_bias[:real] = gemms.grad_bias(grad_q, g).to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 

@@ -9,7 +9,9 @@ on one H200 818.4 -> 815.1 ms a step, at TP2 + SP 465.5 -> 457.5 ms (benchmarks/
 - under CUDA graphs (``cuda_graph="partial"`` or ``"full"``): a compiled layer's accumulation cannot be captured (a
   replay would add into the tensor of the capture and call no hook), and an eager one falls back under capture;
 - in linears that run outside the compiled code (an MoE layer's shared experts: only its attention block is
-  compiled), as ``compile.compiled_modules`` says.
+  compiled), as ``compile.compiled_modules`` says;
+- in float8 linears (``enable_fp8``, which the strategy runs first): torchao's float8 matmul forms their weight
+  gradient itself.
 
 ``True`` and ``False`` are left as they are.
 """
@@ -37,6 +39,6 @@ def resolve_gradient_accumulation_fusion(model: nn.Module, cuda_graphs: bool) ->
         compiled = {id(m) for module in compiled_modules(layer) for m in module.modules() if isinstance(m, _LINEARS)}
         for linear in layer.modules():
             if isinstance(linear, _LINEARS) and linear.grad_accumulation_fusion == "auto":
-                linear.accumulate_weight_grads = id(linear) in compiled and not cuda_graphs
+                linear.accumulate_weight_grads = id(linear) in compiled and not cuda_graphs and linear.float8 is None
                 turned_on += linear.accumulate_weight_grads
     return turned_on

@@ -1,6 +1,6 @@
 """``TransformerConfig(gradient_accumulation_fusion="auto")``, the default
 (``transformer/grad_accumulation_default.py``): on in compiled layers outside CUDA graphs, off in eager layers and
-under CUDA graphs; ``True`` and ``False`` kept; bad values refused by name. Through the Trainer:
+under CUDA graphs and in float8 linears; ``True`` and ``False`` kept; bad values refused by name. Through the Trainer:
 tests/integration/strategy/test_grad_accumulation_fusion.py."""
 
 import pytest
@@ -60,6 +60,12 @@ def _decisions():
         shared = model.decoder.layers[layer].mlp.shared_experts
         shared.fc1.grad_accumulation_fusion = shared.fc2.grad_accumulation_fusion = "auto"
     out["moe"] = (resolve_gradient_accumulation_fusion(model, cuda_graphs=False), _fused(model))
+    from lightning_megatron.quantization.float8 import Float8Config, enable_fp8
+
+    model = _gpt()   # the fc2s in float8 (the strategy converts before it compiles and decides)
+    enable_fp8(model, Float8Config(emulate=True, compile=False, module_filter_fn=lambda m, n: n.endswith("fc2")))
+    compile_layers(model, backend="eager")
+    out["float8"] = (resolve_gradient_accumulation_fusion(model, cuda_graphs=False), _fused(model))
     return out
 
 
@@ -79,3 +85,5 @@ def test_auto_fuses_in_compiled_layers_outside_cuda_graphs_only():
     dense_mlp = {n: v for n, v in moe.items() if n.startswith("decoder.layers.1.mlp.")}
     assert len(dense_mlp) == 2 and all(dense_mlp.values()), moe
     assert turned_on == 8 and not any(v for n, v in moe.items() if n not in attention and n not in dense_mlp), moe
+    turned_on, float8 = out["float8"]   # torchao's float8 matmul forms the fc2s' weight gradients itself
+    assert turned_on == 9 and float8 == {n: not n.endswith("fc2") for n in names}, float8
