@@ -171,6 +171,7 @@ def test_gpt_model_output_layer_in_float8(one_rank, monkeypatch):
     assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2) and loss.item() != ref_loss.item()
     w_ref, w_fp8 = ref.embedding.word_embeddings.weight.grad, model.embedding.word_embeddings.weight.grad
     assert F.cosine_similarity(w_ref.flatten(), w_fp8.flatten(), dim=0) > 0.98
+    assert w_fp8.norm() == pytest.approx(w_ref.norm().item(), rel=0.05)   # the scale too (a cosine hides it)
     # without labels the logits come from the float8 projection too (torchao's float8 linear)
     unfused = []
     monkeypatch.setattr(model.output_float8, "unfused", lambda *a: unfused.append(1) or F.linear(*a))
@@ -261,3 +262,4 @@ def test_gpu_tiny_gpt_with_the_output_layer_in_float8_is_close_to_bfloat16(one_r
     (ref_loss, ref_grad), (lin_loss, _), (loss, grad) = results
     assert loss == pytest.approx(ref_loss, rel=2e-2) and loss != lin_loss
     assert F.cosine_similarity(ref_grad, grad, dim=0) > 0.98
+    assert grad.norm() == pytest.approx(ref_grad.norm().item(), rel=0.05)   # the scale too (a cosine hides it)
