@@ -40,7 +40,6 @@ from .switch import KernelSwitch
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
 except ImportError:   # CPU-only installs: the torch expressions
     triton = None
 
@@ -114,6 +113,12 @@ if triton is not None:
         dh_row = dh_ptr + row * (2 * ffn)
         tl.store(dh_row + cols, d_gate.to(dh_ptr.dtype.element_ty), mask=inside)
         tl.store(dh_row + ffn + cols, d_up.to(dh_ptr.dtype.element_ty), mask=inside)
+
+
+# the custom operators only where a kernel can run: registering them imports much of torch's compiler (~0.6 s,
+# tests/meta/test_import_rules.py's import budget), for nothing on a machine without CUDA
+if triton is not None and torch.cuda.is_available():
+    from torch.library import triton_op, wrap_triton
 
     def _rows(x: Tensor, width: int) -> Tensor:
         """``x`` as ``[rows, width]`` with contiguous columns (a view where it can be)."""
