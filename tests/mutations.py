@@ -258,6 +258,12 @@ MUTATIONS: List[Mutation] = [
              "scaled, inverse = _scaled(x, dtype, pow2, row_scale)", "scaled, inverse = _scaled(x, dtype, pow2)",
              ("tests/unit/quantization/test_fp8_output_layer.py::test_the_three_gemms_equal_the_definition",),
              ci=False),
+    # ... and its hidden states' gradient from D unrounded (rounded to e5m2, the early loss plateau lasts longer)
+    Mutation("fp8-output-grad-hidden-from-rounded-d", "lightning_megatron/quantization/float8_output.py",
+             "return torch.mm(grad_q[0], weight_q[0]).to(dtype)",
+             "return torch.mm((grad_q[1].t().float() * grad_q[2]).to(grad_q[0].dtype), weight_q[0]).to(dtype)",
+             ("tests/unit/quantization/test_fp8_output_layer.py::test_the_three_gemms_equal_the_definition",),
+             ci=False),
     Mutation("geglu-exact-gelu", "lightning_megatron/ops/swiglu.py",
              'return F.gelu(gate, approximate="tanh") * up', "return F.gelu(gate) * up",
              ("tests/unit/models/test_hf_llama.py::test_import_gives_transformers_logits_and_export_loads[gemma]",), ci=False),

@@ -20,15 +20,18 @@ through σ). ``1 - σ(v)`` is computed as ``σ(-v)``: subtracted from 1 it cance
 made torch's float32 GeGLU backward (and inductor's) ~5e-5 off at gradients ~10; here it is within ~1e-6
 relative of a float64 evaluation.
 
-The kernels are custom operators (``torch.library.triton_op``; their backward is one too, registered with
-``register_autograd``), so ``torch.compile`` traces them inside a compiled layer without a graph break and
-inductor launches the kernels themselves. Measured on an H200 (torch 2.11, bf16, T = 16384, F = 14336, fwd +
-bwd of a compiled function): backward 0.57 ms (96% of the bytes at 4.3 TB/s) against inductor's 0.93 ms; forward
-0.34 ms against inductor's 0.32 (block sizes 512 to 4096 and 4 to 16 warps all within 1%). Triton is imported here only: on CPU installs without it, on CPU
-tensors, for other dtypes and with ``LM_SWIGLU_KERNELS=0`` (or inside ``with kernels_enabled(False):``)
+The kernels are custom operators (``torch.library.custom_op``; their backward is one too, registered with
+``register_autograd``), so ``torch.compile`` keeps them inside a compiled layer without a graph break, calling
+them with the real tensors (see the note at their registration: why not ``triton_op``). Measured on an H200
+(torch 2.11, bf16, T = 16384, F = 14336, fwd + bwd of a compiled function): backward 0.57 ms (96% of the bytes
+at 4.3 TB/s) against inductor's 0.93 ms; forward 0.34 ms against inductor's 0.32 (block sizes 512 to 4096 and 4
+to 16 warps all within 1%); through the Trainer at the Llama-3-8B layer shape, 816.7 against 819.9 ms a step
+with ``LM_SWIGLU_KERNELS=0``. Triton is imported here only: on CPU installs without it, on CPU tensors, for
+other dtypes and with ``LM_SWIGLU_KERNELS=0`` (or inside ``with kernels_enabled(False):``)
 :func:`swiglu` and :func:`geglu` are the torch expressions (tests compare the two).
 """
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -115,38 +118,57 @@ if triton is not None:
         tl.store(dh_row + ffn + cols, d_up.to(dh_ptr.dtype.element_ty), mask=inside)
 
 
-# the custom operators only where a kernel can run: registering them imports much of torch's compiler (~0.6 s,
-# tests/meta/test_import_rules.py's import budget), for nothing on a machine without CUDA
-if triton is not None and torch.cuda.is_available():
-    from torch.library import triton_op, wrap_triton
+def _rows(x: Tensor, width: int) -> Tensor:
+    """``x`` as ``[rows, width]`` with contiguous columns (a view where it can be)."""
+    x = x.reshape(-1, width)
+    return x if x.stride(1) == 1 else x.contiguous()
 
-    def _rows(x: Tensor, width: int) -> Tensor:
-        """``x`` as ``[rows, width]`` with contiguous columns (a view where it can be)."""
-        x = x.reshape(-1, width)
-        return x if x.stride(1) == 1 else x.contiguous()
 
-    @triton_op("lightning_megatron::gated_activation", mutates_args=())
+def _run_forward(h: Tensor, gelu: bool) -> Tensor:
+    ffn = h.shape[-1] // 2
+    h2 = _rows(h, 2 * ffn)
+    rows = h2.shape[0]
+    out = torch.empty((rows, ffn), dtype=h.dtype, device=h.device)
+    _forward_kernel[(rows, triton.cdiv(ffn, BLOCK))](h2, out, ffn, h2.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    return out.view(h.shape[:-1] + (ffn,))
+
+
+def _run_backward(h: Tensor, grad: Tensor, gelu: bool) -> Tensor:
+    ffn = h.shape[-1] // 2
+    h2, g2 = _rows(h, 2 * ffn), _rows(grad, ffn)
+    rows = h2.shape[0]
+    dh = torch.empty((rows, 2 * ffn), dtype=h.dtype, device=h.device)
+    _backward_kernel[(rows, triton.cdiv(ffn, BLOCK))](h2, g2, dh, ffn, h2.stride(0), g2.stride(0), GELU=gelu,
+                                                      BLOCK=BLOCK, num_warps=4)
+    return dh.view(h.shape)
+
+
+# Opaque custom operators (``torch.library.custom_op``), not ``triton_op``: inductor calls them with the real tensors,
+# so the kernels read every stride at run time. Traced into inductor's graph (``triton_op``), the strides were the
+# trace's and inductor could lay the buffers out otherwise: on an H200 (torch 2.11) it padded the rows of the
+# backward's ``[T, 2F]`` output (F = 1000: 2000 -> 2016 columns) after the kernel had been given 2000, and the
+# compiled gradient was garbage (tests/gpu/test_swiglu_gpu.py). Registered only where a kernel can run (CUDA, or
+# Triton's CPU interpreter in the tests): registration imports torch's custom-op machinery, for nothing elsewhere
+# (tests/meta/test_import_rules.py's import budget).
+if triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+
+    @torch.library.custom_op("lightning_megatron::gated_activation", mutates_args=())
     def _gated_activation(h: Tensor, gelu: bool) -> Tensor:
         """``act(h[.., :F]) · h[.., F:]``: ``[.., F]`` in ``h``'s dtype."""
-        ffn = h.shape[-1] // 2
-        h2 = _rows(h, 2 * ffn)
-        rows = h2.shape[0]
-        out = torch.empty((rows, ffn), dtype=h.dtype, device=h.device)
-        wrap_triton(_forward_kernel)[(rows, triton.cdiv(ffn, BLOCK))](
-            h2, out, ffn, h2.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4)
-        return out.view(h.shape[:-1] + (ffn,))
+        return _run_forward(h, gelu)
 
-    @triton_op("lightning_megatron::gated_activation_backward", mutates_args=())
+    @_gated_activation.register_fake
+    def _(h: Tensor, gelu: bool) -> Tensor:
+        return h.new_empty(h.shape[:-1] + (h.shape[-1] // 2,))
+
+    @torch.library.custom_op("lightning_megatron::gated_activation_backward", mutates_args=())
     def _gated_activation_backward(h: Tensor, grad: Tensor, gelu: bool) -> Tensor:
         """The gradient of ``h`` for the output gradient ``grad [.., F]``: ``[.., 2F]`` in ``h``'s dtype."""
-        ffn = h.shape[-1] // 2
-        h2 = _rows(h, 2 * ffn)
-        g2 = _rows(grad, ffn)
-        rows = h2.shape[0]
-        dh = torch.empty((rows, 2 * ffn), dtype=h.dtype, device=h.device)
-        wrap_triton(_backward_kernel)[(rows, triton.cdiv(ffn, BLOCK))](
-            h2, g2, dh, ffn, h2.stride(0), g2.stride(0), GELU=gelu, BLOCK=BLOCK, num_warps=4)
-        return dh.view(h.shape)
+        return _run_backward(h, grad, gelu)
+
+    @_gated_activation_backward.register_fake
+    def _(h: Tensor, grad: Tensor, gelu: bool) -> Tensor:
+        return h.new_empty(h.shape)
 
     def _setup_context(ctx, inputs, output) -> None:
         h, gelu = inputs

@@ -129,12 +129,12 @@ class Float8Config:
             measured slower than bf16 on an H100 (torch 2.11, torchao 0.18; see the module docstring).
         output_layer: run a ``GPTModel``'s output projection (the vocabulary GEMMs inside its fused loss, and
             the unfused logits) in float8 too (``quantization/float8_output.py``; tensorwise only; the model's
-            ``cross_entropy_chunk_size`` must be None). Default False: Megatron-Core and torchtitan keep the
-            output layer in high precision for accuracy, and so should you for now: on an H200 it made the
-            Llama-3-8B layer shape's step 1.37x our compiled bf16 (1.22x with the linears alone), but in the one
-            GPU loss-curve run (GPT-1.3B, ``bench_fp8.py``, 100 steps) the loss left its early plateau ~40 steps
-            later than bf16 (8.04 vs 3.21 at steps 91-100), where the same comparison on the CPU tracks bf16
-            within 0.3% (``benchmarks/RESULTS.md``). Experimental until that is understood.
+            ``cross_entropy_chunk_size`` must be None): the forward and the weight gradient in float8, the
+            gradient of the hidden states in bf16 (rounded to float8 there, the loss left its early plateau 30-60
+            steps after bf16's in every run). Default False, as in Megatron-Core and torchtitan; opt in where the
+            loss curve says so: on an H200 it made the Llama-3-8B layer shape's step 1.32x our compiled bf16
+            (1.24x with the linears alone), and GPT-1.3B's 200-step curve (``bench_fp8.py``, one run) left the
+            plateau with bf16's and ended within 0.3% of it (``benchmarks/RESULTS.md``, sixteenth session).
     """
 
     recipe: str = "tensorwise"

@@ -7,16 +7,18 @@ its forward. :class:`Float8OutputLayer` gives that function its GEMMs in float8,
 tensorwise recipe does for a linear:
 
 - forward ``logits = hidden @ Wᵀ``: ``hidden`` and ``W`` in e4m3, each with one dynamic scale (its amax),
-  fast accumulation (torchao's setting for the output GEMM); the float8 weight, transposed, is kept for the
-  backward.
-- ``grad_hidden = D @ W`` and ``grad_weight = Dᵀ @ (g ⊙ hidden)``: ``D`` in e5m2 with a static scale of
-  2¹⁵: every entry of ``D = softmax - (1-α)·onehot - α/V`` (times the soft-cap's slope, at most 1) lies in
-  [-1, 1], so no amax pass is needed and nothing overflows (e5m2 holds 57344); the per-token output
-  gradient ``g`` goes on the small side, cast to e4m3 with its own dynamic scale.
+  fast accumulation (torchao's setting for the output GEMM).
+- ``grad_weight = Dᵀ @ (g ⊙ hidden)``: ``D`` in e5m2 with a static scale of 2¹⁵: every entry of
+  ``D = softmax - (1-α)·onehot - α/V`` (times the soft-cap's slope, at most 1) lies in [-1, 1], so no amax pass
+  is needed and nothing overflows (e5m2 holds 57344); the per-token output gradient ``g`` goes on the small side,
+  cast to e4m3 with its own dynamic scale.
+- ``grad_hidden = D @ W`` stays in the input dtype, from ``D`` unrounded: it is the gradient the whole model
+  below learns from, and with ``D`` rounded to e5m2 there (two mantissa bits: the same ~12% error on every token
+  whose softmax is alike, a bias, not noise) GPT-1.3B's loss left the unigram plateau 30-60 steps after bf16 in
+  every run that did so (`benchmarks/RESULTS.md`, sixteenth session), and on time in the run that kept it in bf16.
 
-``torch._scaled_mm`` on Hopper contracts both operands along their rows: ``grad_hidden`` needs ``W`` transposed
-and ``grad_weight`` needs ``D`` and ``hidden`` transposed. Each cast writes the layouts its GEMMs read in the
-same pass (``torch.compile``d on CUDA with ``Float8Config(compile=True)``, the default: inductor tiles the
+``torch._scaled_mm`` on Hopper contracts both operands along their rows: ``grad_weight`` needs ``D`` and
+``hidden`` transposed. Each cast writes the layout its GEMM reads in the same pass (``torch.compile``d on CUDA with ``Float8Config(compile=True)``, the default: inductor tiles the
 transposed stores); a separate ``.t().contiguous()`` of a float8 tensor is a slow strided copy (6.4 ms for ``D``
 at 8192 tokens x 128256 on an H200, more than the float8 GEMM saves). Off by default, as in
 Megatron-Core and torchtitan, which keep the output layer in high precision for accuracy: turn it on where
@@ -74,12 +76,11 @@ def cast_transposed_to_float8(x: torch.Tensor, row_scale: torch.Tensor, dtype: t
     return scaled.to(dtype).t().contiguous(), inverse
 
 
-def cast_grad_to_float8(d: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The logits' gradient ``d [t, v]`` (every entry in [-1, 1]) in e5m2 with the static scale ``GRAD_SCALE``,
-    in both layouts (``[t, v]`` for ``grad_hidden``, ``[v, t]`` for ``grad_weight``), and ``1 / GRAD_SCALE``."""
+def cast_grad_to_float8(d: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The logits' gradient ``d [t, v]`` (every entry in [-1, 1]) transposed ``[v, t]`` (as ``grad_weight``
+    reads it) in e5m2 with the static scale ``GRAD_SCALE``, and ``1 / GRAD_SCALE``."""
     inverse = torch.full((), 1.0 / GRAD_SCALE, dtype=torch.float32, device=d.device)
-    values = (d.to(torch.float32) * GRAD_SCALE).to(E5M2)
-    return values, values.t().contiguous(), inverse
+    return (d.to(torch.float32) * GRAD_SCALE).to(E5M2).t().contiguous(), inverse
 
 
 def scaled_mm(a: Quantized, b_t: Quantized, out_dtype: torch.dtype, fast_accum: bool,
@@ -126,22 +127,20 @@ class Float8OutputLayer:
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
-        """``hidden [t, h] @ weight [v, h]ᵀ (+ bias)`` in float8 → (logits in ``hidden``'s dtype, the float8 weight
-        transposed ``[h, v]`` and its inverse scale, for ``grad_hidden``)."""
-        w8, w8_t, w_inverse = self._cast("both")(weight, E4M3, self.pow2)
-        logits = scaled_mm(self._cast("rows")(hidden, E4M3, self.pow2), (w8, w_inverse), hidden.dtype,
-                           fast_accum=True, emulate=self.emulate)
-        return (logits if bias is None else logits + bias), (w8_t, w_inverse)
+        """``hidden [t, h] @ weight [v, h]ᵀ (+ bias)`` in float8 → (logits in ``hidden``'s dtype, ``(weight,)`` as
+        ``grad_hidden`` reads it: in its own dtype)."""
+        logits = scaled_mm(self._cast("rows")(hidden, E4M3, self.pow2), self._cast("rows")(weight, E4M3, self.pow2),
+                           hidden.dtype, fast_accum=True, emulate=self.emulate)
+        return (logits if bias is None else logits + bias), (weight,)
 
     def quantize_grad(self, grad_logits: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """``D`` as ``(d8 [t, v], d8ᵀ [v, t], 1 / scale)``."""
-        return self._cast("grad")(grad_logits)
+        """``D`` as ``(D [t, v] as it is, d8ᵀ [v, t] in e5m2, 1 / scale)``."""
+        return (grad_logits, *self._cast("grad")(grad_logits))
 
     def grad_hidden(self, grad_q: Tuple[torch.Tensor, ...], weight_q: Tuple[torch.Tensor, ...],
                     dtype: torch.dtype) -> torch.Tensor:
-        """``D @ W`` [t, h] in ``dtype``."""
-        d8, _, d_inverse = grad_q
-        return scaled_mm((d8, d_inverse), (weight_q[0], weight_q[1]), dtype, fast_accum=False, emulate=self.emulate)
+        """``D @ W`` [t, h] in the input dtype (see the module's docstring: not float8)."""
+        return torch.mm(grad_q[0], weight_q[0]).to(dtype)
 
     def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
                     row_scale: torch.Tensor) -> torch.Tensor:
@@ -151,9 +150,8 @@ class Float8OutputLayer:
         return scaled_mm((d8_t, d_inverse), scaled_t, hidden.dtype, fast_accum=False, emulate=self.emulate)
 
     def grad_bias(self, grad_q: Tuple[torch.Tensor, ...], row_scale: torch.Tensor) -> torch.Tensor:
-        """``Dᵀ @ row_scale`` [v] in float32 (``D`` dequantized: an output bias is rare)."""
-        d8, _, d_inverse = grad_q
-        return (d8.t().to(torch.float32) @ row_scale[:, 0]) * d_inverse
+        """``Dᵀ @ row_scale`` [v] in float32, from ``D`` unrounded."""
+        return grad_q[0].t().to(torch.float32) @ row_scale[:, 0]
 
 
 _CASTS: Dict[bool, Dict[str, Callable[..., Any]]] = {}

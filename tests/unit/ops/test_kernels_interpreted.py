@@ -19,4 +19,4 @@ def test_kernels_compute_what_their_torch_paths_compute():
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("ok ", "WRONG "))]
     assert done.returncode == 0, "\n".join(lines) + "\n" + done.stderr[-3000:]
-    assert len(lines) == 19 and all(line.startswith("ok ") for line in lines), "\n".join(lines)
+    assert len(lines) == 21 and all(line.startswith("ok ") for line in lines), "\n".join(lines)
