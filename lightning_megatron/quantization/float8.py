@@ -130,7 +130,7 @@ class Float8Config:
         output_layer: run a ``GPTModel``'s output projection (the vocabulary GEMMs inside its fused loss, and
             the unfused logits) in float8 too (``quantization/float8_output.py``; tensorwise only; the model's
             ``cross_entropy_chunk_size`` must be None): the forward and the weight gradient in float8, the
-            gradient of the hidden states in bf16 (rounded to float8 there, the loss left its early plateau 30-60
+            gradient of the hidden states in bf16 (rounded to float8 there, the loss left its early plateau 30-100+
             steps after bf16's in every run). Default False, as in Megatron-Core and torchtitan; opt in where the
             loss curve says so: on an H200 it made the Llama-3-8B layer shape's step 1.32x our compiled bf16
             (1.24x with the linears alone), and GPT-1.3B's 200-step curve (``bench_fp8.py``, one run) left the

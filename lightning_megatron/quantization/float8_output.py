@@ -14,13 +14,14 @@ tensorwise recipe does for a linear:
   cast to e4m3 with its own dynamic scale.
 - ``grad_hidden = D @ W`` stays in the input dtype, from ``D`` unrounded: it is the gradient the whole model
   below learns from, and with ``D`` rounded to e5m2 there (two mantissa bits: the same ~12% error on every token
-  whose softmax is alike, a bias, not noise) GPT-1.3B's loss left the unigram plateau 30-60 steps after bf16 in
-  every run that did so (`benchmarks/RESULTS.md`, sixteenth session), and on time in the run that kept it in bf16.
+  whose softmax is alike, a bias, not noise) GPT-1.3B's loss left the unigram plateau 30-100+ steps after bf16 in
+  all five such runs (`benchmarks/RESULTS.md`, sixteenth session), and on time in both that kept it in bf16.
 
 ``torch._scaled_mm`` on Hopper contracts both operands along their rows: ``grad_weight`` needs ``D`` and
-``hidden`` transposed. Each cast writes the layout its GEMM reads in the same pass (``torch.compile``d on CUDA with ``Float8Config(compile=True)``, the default: inductor tiles the
-transposed stores); a separate ``.t().contiguous()`` of a float8 tensor is a slow strided copy (6.4 ms for ``D``
-at 8192 tokens x 128256 on an H200, more than the float8 GEMM saves). Off by default, as in
+``hidden`` transposed. Each cast writes the layout its GEMM reads in the same pass (``torch.compile``d on CUDA
+with ``Float8Config(compile=True)``, the default: inductor tiles the transposed stores); a separate
+``.t().contiguous()`` of a float8 tensor is a slow strided copy (6.4 ms for ``D`` at 8192 tokens x 128256 on an
+H200, more than the float8 GEMM saves). Off by default, as in
 Megatron-Core and torchtitan, which keep the output layer in high precision for accuracy: turn it on where
 the loss curve says it is safe (``benchmarks/bench_fp8.py`` compares curves). The unfused path (no labels, or
 ``fused_cross_entropy=False``) runs the projection through torchao's float8 linear (``float8.Float8Matmul``).
