@@ -16,13 +16,13 @@ from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallel
 EMULATED = dict(compile=False, emulate=True)
 
 
-def tiny_gpt(**overrides):
+def tiny_gpt(gpt_kwargs=None, **overrides):
     from lightning_megatron.models import GPTModel
     from lightning_megatron.transformer import TransformerConfig
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
-    return GPTModel(TransformerConfig(**{**base, **overrides}), 128, 32)
+    return GPTModel(TransformerConfig(**{**base, **overrides}), 128, 32, **(gpt_kwargs or {}))
 
 
 # -- the option ---------------------------------------------------------------------------------------------
@@ -338,8 +338,10 @@ def test_gpu_compiled_float8_layers_capture_in_a_cuda_graph(one_rank, recipe):
 
 
 @pytest.mark.gpu
-def test_gpu_float8_gpt_under_partial_cuda_graphs_trains_like_eager(one_rank):
-    """The library's per-layer graphs (``cuda_graph="partial"``) around compiled float8 layers."""
+@pytest.mark.parametrize("output_layer", [False, True], ids=["linears", "output-layer-too"])
+def test_gpu_float8_gpt_under_partial_cuda_graphs_trains_like_eager(one_rank, output_layer):
+    """The library's per-layer graphs (``cuda_graph="partial"``) around compiled float8 layers, and with the float8
+    output layer (its compiled casts run eagerly after the replayed layers)."""
     from lightning_megatron.distributed.config import GradientConfig
     from lightning_megatron.distributed.gradients import GradientState
     from lightning_megatron.engine import StepEngine
@@ -347,8 +349,9 @@ def test_gpu_float8_gpt_under_partial_cuda_graphs_trains_like_eager(one_rank):
 
     def train(cuda_graph):
         model_parallel_seed(1234)
-        model = _bf16(tiny_gpt(hidden_size=128))
-        enable_fp8(model, "tensorwise")
+        model = _bf16(tiny_gpt(dict(fused_cross_entropy=True), hidden_size=128))
+        enable_fp8(model, Float8Config("tensorwise", output_layer=output_layer))
+        assert (model.output_float8 is not None) == output_layer
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = StepEngine(model, one_rank, device=torch.device("cuda"), micro_batch_size=2, cuda_graph=cuda_graph,
                             cuda_graph_warmup_steps=2)
