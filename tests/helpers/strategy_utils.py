@@ -134,6 +134,19 @@ def fit_saving_every_step(folder, max_steps, background, resume_from=None, callb
         os.environ["WORLD_SIZE"] = world
 
 
+class FusedLossGPT(TinyGPT):
+    """TinyGPT with the whole-logits fused loss (what the float8 output layer runs in)."""
+
+    def configure_model(self):
+        if hasattr(self, "model"):
+            return
+        cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4,
+                                hidden_dropout=self.dropout, attention_dropout=self.dropout, **self.config)
+        self.model = VirtualChunks(lambda vp_rank: GPTModel(
+            cfg, VOCAB, SEQ, vp_rank=vp_rank, pipeline_layout=self.pipeline_layout, fused_cross_entropy=True,
+            cross_entropy_chunk_size=None))
+
+
 class TinyGPTWithAccuracy(TinyGPT):
     """Adds a torchmetrics next-token accuracy over the validation set."""
 

@@ -1,0 +1,37 @@
+"""Float8 through the strategy trains like one process under pipelines (the float8 output layer on the last stage
+only), with ``Float8Config(emulate=True)`` (float8 values multiplied in float32: the CPU's path), the linears and
+the output layer in float8. Unclipped SGD, so the parameters after each step show every gradient. (Not tensor
+parallelism: each shard has its own tensorwise scale, so it rounds otherwise than one process, by design;
+tests/unit/quantization checks the shards' scales.)"""
+
+import pytest
+
+from helpers.strategy_utils import FusedLossGPT, assert_same_run, assert_same_updates, fit_and_record
+from lightning_megatron.testing import run_on_ranks
+
+
+def _fp8(output_layer=True):
+    from lightning_megatron.quantization.float8 import Float8Config
+
+    return Float8Config("tensorwise", emulate=True, compile=False, output_layer=output_layer)
+
+
+LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
+           "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               micro_batch_size=2))}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2, **extra), None, timeout=180,
+                               module_cls=FusedLossGPT)[0]
+            for name, extra in (("fp8", dict(fp8=_fp8())), ("bf", dict()))}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_float8_with_the_output_layer_trains_like_one_process(references, name):
+    world, kwargs = LAYOUTS[name]
+    out = run_on_ranks(fit_and_record, world, dict(kwargs, fp8=_fp8()), None, timeout=240, module_cls=FusedLossGPT)
+    assert_same_run(out, references["fp8"])
+    with pytest.raises(AssertionError):   # and float8 is on: the updates differ from high precision's
+        assert_same_updates(references["fp8"]["params"], references["bf"]["params"])
