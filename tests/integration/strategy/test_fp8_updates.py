@@ -35,3 +35,25 @@ def test_float8_with_the_output_layer_trains_like_one_process(references, name):
     assert_same_run(out, references["fp8"])
     with pytest.raises(AssertionError):   # and float8 is on: the updates differ from high precision's
         assert_same_updates(references["fp8"]["params"], references["bf"]["params"])
+
+
+def test_float8_with_the_output_layer_under_tensor_and_sequence_parallelism(references):
+    """tp2 + SP: the output layer's shards scale their own rows, so the run is float8's rounding away from one
+    process's, not equal: at this width (hidden 16) that rounding moves the updates by ~30% (as far as high
+    precision's are from float8's), so the bound is loose; a gradient off by a factor of 2 moves them by ~100%."""
+    import torch
+
+    out = run_on_ranks(fit_and_record, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                               micro_batch_size=2, fp8=_fp8()), None, timeout=240,
+                       module_cls=FusedLossGPT)
+    ref, bf = references["fp8"], references["bf"]
+    for rank_out in out:
+        assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-2)
+
+    def distance(a, b):   # the largest relative change of any parameter's update over the steps
+        first = (a["params"][0], b["params"][0])
+        return max(((x[n] - first[0][n]) - (y[n] - first[1][n])).norm().item() / max(
+            (y[n] - first[1][n]).norm().item(), 1e-12) for x, y in zip(a["params"][1:], b["params"][1:]) for n in y)
+
+    del torch
+    assert distance(out[0], ref) < 0.5
