@@ -16,6 +16,8 @@ tensorwise recipe does for a linear:
   below learns from, and with ``D`` rounded to e5m2 there (two mantissa bits: the same ~12% error on every token
   whose softmax is alike, a bias, not noise) GPT-1.3B's loss left the unigram plateau 30-100+ steps after bf16 in
   all five such runs (`benchmarks/RESULTS.md`, sixteenth session), and on time in both that kept it in bf16.
+  So ``D`` is kept until the backward in the input dtype (as the bf16 path keeps it) and, for the weight
+  gradient, in float8 transposed: half as much again.
 
 ``torch._scaled_mm`` on Hopper contracts both operands along their rows: ``grad_weight`` needs ``D`` and
 ``hidden`` transposed. Each cast writes the layout its GEMM reads in the same pass (``torch.compile``d on CUDA
@@ -59,15 +61,6 @@ def cast_to_float8(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> Q
     with ``pow2``); returns the values and ``1 / scale``."""
     scaled, inverse = _scaled(x, dtype, pow2)
     return scaled.to(dtype), inverse
-
-
-def cast_to_float8_both_layouts(x: torch.Tensor, dtype: torch.dtype,
-                                pow2: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cast_to_float8` of ``x [m, k]`` and also its transpose ``[k, m]`` made contiguous (float8 GEMMs
-    on Hopper take both operands contracted along their rows), from one read of ``x`` when compiled."""
-    scaled, inverse = _scaled(x, dtype, pow2)
-    values = scaled.to(dtype)
-    return values, values.t().contiguous(), inverse
 
 
 def cast_transposed_to_float8(x: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype,
@@ -159,10 +152,11 @@ _CASTS: Dict[bool, Dict[str, Callable[..., Any]]] = {}
 
 
 def _casts(compiled: bool) -> Dict[str, Callable[..., Any]]:
-    """The two casts, eager or ``torch.compile``d (each one kernel reading and writing once; automatic
-    dynamic shapes, so a new token count compiles once more at most)."""
+    """The casts, eager or ``torch.compile``d (each one kernel reading and writing once; automatic dynamic
+    shapes: ``"rows"`` casts both the hidden states and the weight, so it compiles once more, shape-generic, and a
+    new token count compiles nothing new)."""
     if compiled not in _CASTS:
-        casts: Dict[str, Callable[..., Any]] = {"rows": cast_to_float8, "both": cast_to_float8_both_layouts,
+        casts: Dict[str, Callable[..., Any]] = {"rows": cast_to_float8,
                                                 "transposed": cast_transposed_to_float8, "grad": cast_grad_to_float8}
         if compiled:
             casts = {role: torch.compile(fn) for role, fn in casts.items()}
@@ -170,5 +164,4 @@ def _casts(compiled: bool) -> Dict[str, Callable[..., Any]]:
     return _CASTS[compiled]
 
 
-__all__ = ["Float8OutputLayer", "cast_grad_to_float8", "cast_to_float8", "cast_to_float8_both_layouts",
-           "cast_transposed_to_float8", "scaled_mm"]
+__all__ = ["Float8OutputLayer", "cast_grad_to_float8", "cast_to_float8", "cast_transposed_to_float8", "scaled_mm"]
