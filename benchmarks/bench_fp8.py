@@ -198,6 +198,15 @@ def windows(losses) -> list:
     return [sum(losses[i:i + WINDOW]) / WINDOW for i in range(0, len(losses) - WINDOW + 1, WINDOW)]
 
 
+def plateau_exit(losses) -> str:
+    """The first step after which the model predicts better than the unigram distribution by 0.5 nats (10-step
+    mean below ln(4096) - 0.5): when it started using the bigrams. Float8 variants of the output layer differed
+    from bf16 mostly here (benchmarks/RESULTS.md, sixteenth session)."""
+    limit = math.log(USED_TOKENS) - 0.5
+    exits = [i for i, w in enumerate(windows(losses)) if w < limit]
+    return f"steps {exits[0] * WINDOW + 1}-{(exits[0] + 1) * WINDOW}" if exits else "not yet"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=list(CONFIGS), help="one configuration, run in this process")
@@ -283,9 +292,10 @@ def main() -> None:
             diff = f"{max(abs(a - b) / b for a, b in zip(w[:n], ref[:n])):.2%} (over {n * WINDOW} steps)"
         print(f"| {name} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:.0f} | {speed} | "
               f"{r['first_steps_s']:.1f} | {r['peak_gib']:.1f} | {w[0]:.4f} | {w[-1]:.4f} | {diff} |")
-    print(f"\n{WINDOW}-step mean losses:")
+    print(f"\n{WINDOW}-step mean losses (and the window where each left the unigram plateau):")
     for name, r in results.items():
-        print(f"  {name:<26} " + " ".join(f"{v:.3f}" for v in windows(r["losses"])))
+        print(f"  {name:<26} " + " ".join(f"{v:.3f}" for v in windows(r["losses"])) +
+              f"   [{plateau_exit(r['losses'])}]")
     if ref:
         print(f"\nrelative difference of each {WINDOW}-step mean loss to bf16's (signed, %):")
         for name, r in results.items():
