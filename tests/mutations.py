@@ -260,8 +260,9 @@ MUTATIONS: List[Mutation] = [
              ci=False),
     # ... and its hidden states' gradient from D unrounded (rounded to e5m2, the early loss plateau lasts longer)
     Mutation("fp8-output-grad-hidden-from-rounded-d", "lightning_megatron/quantization/float8_output.py",
-             "return torch.mm(grad_q[0], weight_q[0]).to(dtype)",
-             "return torch.mm((grad_q[1].t().float() * grad_q[2]).to(grad_q[0].dtype), weight_q[0]).to(dtype)",
+             "return INPUT_DTYPE_GEMMS.grad_hidden(grad_q[:1], weight_q, dtype).to(dtype)",
+             "return INPUT_DTYPE_GEMMS.grad_hidden(((grad_q[1].t().float() * grad_q[2]).to(grad_q[0].dtype),), "
+             "weight_q, dtype).to(dtype)",
              ("tests/unit/quantization/test_fp8_output_layer.py::test_the_three_gemms_equal_the_definition",),
              ci=False),
     # ... on every virtual pipeline chunk that holds it (the last stage's output layer sits in its last chunk)

@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..tensor_parallel.fused_cross_entropy import INPUT_DTYPE_GEMMS
+
 ALIGNMENT = 16            # float8 GEMMs (torch._scaled_mm) need multiples of 16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GRAD_SCALE = 2.0 ** 15   # |D| <= 1: D * 2^15 <= 32768 < 57344, e5m2's largest value
@@ -133,8 +135,8 @@ class Float8OutputLayer:
 
     def grad_hidden(self, grad_q: Tuple[torch.Tensor, ...], weight_q: Tuple[torch.Tensor, ...],
                     dtype: torch.dtype) -> torch.Tensor:
-        """``D @ W`` [t, h] in the input dtype (see the module's docstring: not float8)."""
-        return torch.mm(grad_q[0], weight_q[0]).to(dtype)
+        """``D @ W`` [t, h] as the input-dtype path makes it (see the module's docstring: not float8)."""
+        return INPUT_DTYPE_GEMMS.grad_hidden(grad_q[:1], weight_q, dtype).to(dtype)
 
     def grad_weight(self, grad_q: Tuple[torch.Tensor, ...], hidden: torch.Tensor,
                     row_scale: torch.Tensor) -> torch.Tensor:
@@ -144,8 +146,8 @@ class Float8OutputLayer:
         return scaled_mm((d8_t, d_inverse), scaled_t, hidden.dtype, fast_accum=False, emulate=self.emulate)
 
     def grad_bias(self, grad_q: Tuple[torch.Tensor, ...], row_scale: torch.Tensor) -> torch.Tensor:
-        """``Dᵀ @ row_scale`` [v] in float32, from ``D`` unrounded."""
-        return grad_q[0].t().to(torch.float32) @ row_scale[:, 0]
+        """``Dᵀ @ row_scale`` [v] in float32, from ``D`` unrounded, as the input-dtype path makes it."""
+        return INPUT_DTYPE_GEMMS.grad_bias(grad_q[:1], row_scale)
 
 
 _CASTS: Dict[bool, Dict[str, Callable[..., Any]]] = {}
