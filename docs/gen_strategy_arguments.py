@@ -132,8 +132,8 @@ CONSTRAINTS: Dict[str, str] = {
     "calculate_per_token_loss": "bool; ``training_step`` must then return ``num_tokens`` with the summed loss; "
                                 "refuses ``accumulate_grad_batches > 1``",
     "compile_layers": "``True``, ``False``, ``\"auto\"`` or a dict of ``torch.compile`` keywords (``backend``, "
-                      "``mode``, ``options``, ``dynamic``, ``fullgraph``); ``\"auto\"`` compiles on CUDA at cp = 1 without "
-                      "``cuda_graph=\"full\"``; explicitly asked there on CUDA it is refused (not yet confirmed on GPUs)",
+                      "``mode``, ``options``, ``dynamic``, ``fullgraph``); ``\"auto\"`` compiles on CUDA at cp = 1 "
+                      "the layers of hidden size >= 2048, not under ``cuda_graph=\"full\"``",
     "accelerator": "-",
     "parallel_devices": "-",
     "cluster_environment": "-",

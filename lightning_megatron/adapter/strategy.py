@@ -74,8 +74,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
         sequence_parallel: shard activations outside tensor-parallel regions along the sequence.
         tp_comm_overlap: with sequence parallelism, overlap its all-gathers and reduce-scatters with the linear
             layers' GEMMs (a ring of chunks, ``tensor_parallel/comm_overlap.py``); not with fp8 or ``"zb-h1"``.
-        micro_batch_size: samples per micro-batch; the per-rank batch must be a multiple of it.
-            ``None`` runs each batch as one micro-batch.
+        micro_batch_size: samples per micro-batch (the per-rank batch a multiple of it; ``None``: the batch).
         timeout: process-group timeout; a rank that fails makes its peers fail after this.
         overlap_grad_reduce: reduce each gradient bucket over data parallelism as soon as the last
             micro-batch's backward has produced it, overlapping communication with the backward.
@@ -97,7 +96,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             <their count>}`` and the gradients are divided by the global batch's token count: one process's
             per-token mean however the labelled tokens spread over micro-batches, data and context ranks.
         compile_layers: ``torch.compile`` each ``TransformerLayer`` (``transformer/compile.py``): True, False,
-            ``"auto"`` (default: on CUDA at cp = 1) or ``torch.compile`` keywords (``{"mode": "max-autotune"}``).
+            ``"auto"`` (default: on CUDA at cp = 1, hidden size >= 2048, no full graph) or ``torch.compile`` keywords.
 
     ``overlap_grad_reduce``, ``bucket_size``, ``grad_reduce_in_fp32`` or the distributed optimizer put gradients in
     buffers (``param.main_grad``); without them they stay in ``.grad``, reduced by one coalesced all-reduce.
@@ -211,9 +210,10 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_automatic_optimization(self.lightning_module)
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
-        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size)
-        resolve_gradient_accumulation_fusion(self.lightning_module, self.graph_config.cuda_graph is not None)
-        report_pipeline_layout(self.lightning_module, self._state())
+        state, graph = self._state(), self.graph_config.cuda_graph
+        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, state.cp_size, graph == "full")
+        resolve_gradient_accumulation_fusion(self.lightning_module, graph is not None)
+        report_pipeline_layout(self.lightning_module, state)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

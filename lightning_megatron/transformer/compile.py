@@ -57,10 +57,11 @@ def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any
 def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int = 1) -> Optional[Dict[str, Any]]:
     """The ``torch.compile`` keywords to compile the layers with, or None (eager).
 
-    ``"auto"`` compiles where it measured faster: on CUDA devices at context-parallel size 1 (benchmarks/RESULTS.md;
-    tensor parallelism, ``pipeline_schedule="zb-h1"`` and both CUDA-graph modes included: the collectives stay
-    eager, tensor_parallel/mappings.py, the deferring linears are traced, tensor_parallel/deferred_wgrad.py, and
-    BERT-base under ``cuda_graph="full"`` measured 1.08x eager layers in the graph). At cp > 1 compiled layers
+    ``"auto"`` compiles where it measured faster: on CUDA devices at context-parallel size 1, layers of hidden size
+    >= :data:`AUTO_MIN_HIDDEN_SIZE` outside full-iteration graphs (:func:`auto_compiles`; benchmarks/RESULTS.md;
+    tensor parallelism, ``pipeline_schedule="zb-h1"`` and ``cuda_graph="partial"`` included: the collectives stay
+    eager, tensor_parallel/mappings.py, the deferring linears are traced, tensor_parallel/deferred_wgrad.py).
+    At cp > 1 compiled layers
     equal eager on GPUs but measured slower (the Llama-1B shape at cp2: 594.9 vs 471.6 ms a step), so
     ``"auto"`` runs them eagerly there; ``True`` or keywords compile at every layout. On the CPU ``"auto"`` does
     not compile (compiling costs more than it saves for the CPU's tiny test models)."""
@@ -130,11 +131,38 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     return len(layers)
 
 
-def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1) -> int:
-    """The strategy's ``compile_layers`` switch on ``model`` for ``device`` and the layout (see
-    :func:`resolve_compile_layers`): how many layers it compiled."""
+#: ``"auto"`` compiles layers at least this wide, outside full-iteration CUDA graphs. Narrower layers are
+#: host-bound: inductor launches its kernels from Python (~30 us each, eager PyTorch ~5 us), which costs more than
+#: the fusion saves. BERT-base (hidden 768, 512 tokens a micro-batch) through the Trainer on one H200: eager
+#: layers 34.4 ms a step, compiled 48.8 ms; under ``cuda_graph="partial"`` 9.9 vs 11.3 ms; GPT-1.3B and the
+#: Llama shapes (hidden >= 2048) are faster compiled (benchmarks/RESULTS.md).
+AUTO_MIN_HIDDEN_SIZE = 2048
+
+
+def auto_compiles(hidden_size: int, full_graph: bool) -> bool:
+    """Whether ``"auto"`` compiles a layer of ``hidden_size``: where the benchmarks measured it faster, and not
+    inside a full-iteration graph. There the graph replays the launches, so compiling gains only the fusion
+    (BERT-base: 4.23 vs 4.31 ms a step), and capturing compiled BERT-base layers failed in 2 of 5 runs on an
+    H200 (``cudaErrorStreamCaptureImplicit``, not yet traced); ``compile_layers=True`` still compiles there."""
+    return not full_graph and hidden_size >= AUTO_MIN_HIDDEN_SIZE
+
+
+def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
+                         full_graph: bool = False) -> int:
+    """The strategy's ``compile_layers`` switch on ``model`` for ``device``, the layout and whether a
+    full-iteration graph replays the step (see :func:`resolve_compile_layers` and :func:`auto_compiles`): how
+    many layers it compiled."""
+    from .layer import TransformerLayer
+
     kwargs = resolve_compile_layers(setting, device, cp)
-    return 0 if kwargs is None else compile_layers(model, **kwargs)
+    if kwargs is None:
+        return 0
+    automatic = check_compile_layers(setting) == "auto"
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)
+              and (not automatic or auto_compiles(m.attention.config.hidden_size, full_graph))]
+    for layer in layers:
+        compile_layer(layer, **kwargs)
+    return len(layers)
 
 
 def uncompile_layer(layer: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """Compiled layers where ``compile_layers="auto"`` made its choice by measurement (``transformer/compile.py``):
 context parallelism over NCCL on two GPUs (``True`` compiles, "auto" stays eager) and the full-iteration CUDA graph
-on one (compiled by default). Inductor's kernels against eager, float32, with dropout (compiled layers draw eager's
+on one (``True`` compiles; "auto" stays eager there since compiled BERT-base captures failed intermittently). Inductor's kernels against eager, float32, with dropout (compiled layers draw eager's
 masks): the losses and the parameters after every step. At cp2 with dropout this failed (the embedding gradient
 left eager's at the first step on two H200s) until the context-parallel attention, dropout stream's fork included,
 ran eagerly under compile (``transformer/context_parallel.py: context_parallel_self_attention``)."""

@@ -65,6 +65,29 @@ def _state_dict_and_modules():
     return True
 
 
+def _auto_by_width():
+    import lightning_megatron.transformer.compile as compile_module
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+
+    ParallelState(ParallelLayout(1)).activate()
+    cuda = torch.device("cuda", 0)   # torch.compile wraps lazily: nothing runs on the device here
+    counts = [apply_compile_layers(_tiny_gpt(), "auto", cuda),                    # hidden 16: host-bound, eager
+              apply_compile_layers(_tiny_gpt(), True, cuda, full_graph=True)]     # asked for: everywhere
+    compile_module.AUTO_MIN_HIDDEN_SIZE = 16
+    counts += [apply_compile_layers(_tiny_gpt(), "auto", cuda),                   # wide enough
+               apply_compile_layers(_tiny_gpt(), "auto", cuda, full_graph=True),  # not inside a full graph
+               apply_compile_layers(_tiny_gpt(), "auto", cuda, cp=2)]
+    return counts
+
+
+def test_auto_compiles_wide_layers_outside_full_graphs():
+    from lightning_megatron.transformer.compile import AUTO_MIN_HIDDEN_SIZE, auto_compiles
+
+    assert not auto_compiles(768, full_graph=False) and auto_compiles(2048, full_graph=False)   # BERT-base, GPT-1.3B
+    assert not auto_compiles(4096, full_graph=True) and AUTO_MIN_HIDDEN_SIZE == 2048
+    assert run_on_ranks(_auto_by_width, 1, timeout=120) == [[0, 3, 3, 0, 0]]
+
+
 def test_compiled_model_keeps_its_state_dict_and_modules():
     assert run_on_ranks(_state_dict_and_modules, 1, timeout=120) == [True]
 
