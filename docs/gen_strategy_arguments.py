@@ -133,7 +133,8 @@ CONSTRAINTS: Dict[str, str] = {
                                 "refuses ``accumulate_grad_batches > 1``",
     "compile_layers": "``True``, ``False``, ``\"auto\"`` or a dict of ``torch.compile`` keywords (``backend``, "
                       "``mode``, ``options``, ``dynamic``, ``fullgraph``); ``\"auto\"`` compiles on CUDA at cp = 1 "
-                      "the layers of hidden size >= 2048, not under ``cuda_graph=\"full\"``",
+                      "the layers whose calls carry tokens x hidden^2 >= 2^30 (decided at their first call), not under "
+                      "``cuda_graph=\"full\"``",
     "accelerator": "-",
     "parallel_devices": "-",
     "cluster_environment": "-",

@@ -96,7 +96,7 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             <their count>}`` and the gradients are divided by the global batch's token count: one process's
             per-token mean however the labelled tokens spread over micro-batches, data and context ranks.
         compile_layers: ``torch.compile`` each ``TransformerLayer`` (``transformer/compile.py``): True, False,
-            ``"auto"`` (default: on CUDA at cp = 1, hidden size >= 2048, no full graph) or ``torch.compile`` keywords.
+            ``"auto"`` (default: CUDA, cp = 1, layers with work enough, no full graph) or ``torch.compile`` keywords.
 
     ``overlap_grad_reduce``, ``bucket_size``, ``grad_reduce_in_fp32`` or the distributed optimizer put gradients in
     buffers (``param.main_grad``); without them they stay in ``.grad``, reduced by one coalesced all-reduce.

@@ -57,14 +57,16 @@ def check_compile_layers(value: CompileLayers) -> Union[bool, str, Dict[str, Any
 def resolve_compile_layers(value: CompileLayers, device: torch.device, cp: int = 1) -> Optional[Dict[str, Any]]:
     """The ``torch.compile`` keywords to compile the layers with, or None (eager).
 
-    ``"auto"`` compiles where it measured faster: on CUDA devices at context-parallel size 1, layers of hidden size
-    >= :data:`AUTO_MIN_HIDDEN_SIZE` outside full-iteration graphs (:func:`auto_compiles`; benchmarks/RESULTS.md;
-    tensor parallelism, ``pipeline_schedule="zb-h1"`` and ``cuda_graph="partial"`` included: the collectives stay
-    eager, tensor_parallel/mappings.py, the deferring linears are traced, tensor_parallel/deferred_wgrad.py).
-    At cp > 1 compiled layers
-    equal eager on GPUs but measured slower (the Llama-1B shape at cp2: 594.9 vs 471.6 ms a step), so
-    ``"auto"`` runs them eagerly there; ``True`` or keywords compile at every layout. On the CPU ``"auto"`` does
-    not compile (compiling costs more than it saves for the CPU's tiny test models)."""
+    ``"auto"`` compiles where it measured faster: on CUDA devices at context-parallel size 1 the layers whose
+    calls carry enough work (:func:`auto_compiles`, decided at a layer's first call), tensor parallelism,
+    ``pipeline_schedule="zb-h1"`` and ``cuda_graph="partial"`` included (the collectives stay eager,
+    tensor_parallel/mappings.py; the deferring linears are traced, tensor_parallel/deferred_wgrad.py). Not inside
+    ``cuda_graph="full"`` (:func:`apply_compile_layers`): the graph replays the launches, so compiling gains only
+    the fusion (BERT-base: 4.23 vs 4.31 ms a step), and capturing compiled BERT-base layers failed in 2 of 5 runs on
+    an H200 (``cudaErrorStreamCaptureImplicit``, not yet traced). At cp > 1 compiled layers equal eager on GPUs but
+    measured slower (the Llama-1B shape at cp2: 594.9 vs 471.6 ms a step). ``True`` or keywords compile at every
+    width and layout. On the CPU ``"auto"`` does not compile (compiling costs more than it saves for the CPU's tiny
+    test models). benchmarks/RESULTS.md has the measurements."""
     value = check_compile_layers(value)
     if value == "auto":
         return {} if device.type == "cuda" and cp == 1 else None
@@ -100,18 +102,15 @@ def compiled_modules(layer: nn.Module) -> List[nn.Module]:
 def compile_layer(layer: nn.Module, **compile_kwargs: Any) -> List[str]:
     """Compile ``layer``'s bodies in place with ``torch.compile(**compile_kwargs)`` (see the module docstring);
     returns the names compiled. A layer already compiled (bodies, or the module itself) is left as it is."""
-    from ..moe.layer import MoELayer
-
     compiled = compiled_bodies(layer)
     if compiled:
         return compiled
     if getattr(layer, "_compiled_call_impl", None) is not None:   # module.compile() (Float8Config(compile_layers))
         return []
-    moe = isinstance(getattr(layer, "mlp", None), MoELayer)
     from ..tensor_parallel.mappings import prepare_for_compile
 
     prepare_for_compile()   # the collectives' graph breaks, made before tracing
-    names = ["_attention_block"] if moe else list(COMPILED_BODIES)
+    names = _bodies_to_compile(layer)
     kwargs = dict(compile_kwargs)
     if kwargs.get("backend", "inductor") == "inductor" and _uses_dropout(layer):
         # the eager generator's masks (see the module docstring)
@@ -131,37 +130,71 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     return len(layers)
 
 
-#: ``"auto"`` compiles layers at least this wide, outside full-iteration CUDA graphs. Narrower layers are
-#: host-bound: inductor launches its kernels from Python (~30 us each, eager PyTorch ~5 us), which costs more than
-#: the fusion saves. BERT-base (hidden 768, 512 tokens a micro-batch) through the Trainer on one H200: eager
-#: layers 34.4 ms a step, compiled 48.8 ms; under ``cuda_graph="partial"`` 9.9 vs 11.3 ms; GPT-1.3B and the
-#: Llama shapes (hidden >= 2048) are faster compiled (benchmarks/RESULTS.md).
-AUTO_MIN_HIDDEN_SIZE = 2048
+#: ``"auto"`` compiles a layer whose calls do at least this much work: tokens per call (this rank's) x hidden
+#: size squared, which the layer's matmul FLOPs are proportional to. Below it a layer is host-bound: inductor
+#: launches its kernels from Python (~30 us each, eager PyTorch ~5 us), which costs more than the fusion saves.
+#: BERT-base, 512 tokens x 768^2 = 3.0e8, through the Trainer on one H200: eager layers 34.4 ms a step, compiled
+#: 48.8 ms; under ``cuda_graph="partial"`` 9.9 vs 11.3 ms. Compiled measured faster: Qwen2.5-0.5B-shaped chat
+#: fine-tuning (8192 x 896^2 = 6.6e9), GPT-1.3B and the Llama shapes (>= 3.4e10) (benchmarks/RESULTS.md).
+AUTO_MIN_LAYER_WORK = 2 ** 30
 
 
-def auto_compiles(hidden_size: int, full_graph: bool) -> bool:
-    """Whether ``"auto"`` compiles a layer of ``hidden_size``: where the benchmarks measured it faster, and not
-    inside a full-iteration graph. There the graph replays the launches, so compiling gains only the fusion
-    (BERT-base: 4.23 vs 4.31 ms a step), and capturing compiled BERT-base layers failed in 2 of 5 runs on an
-    H200 (``cudaErrorStreamCaptureImplicit``, not yet traced); ``compile_layers=True`` still compiles there."""
-    return not full_graph and hidden_size >= AUTO_MIN_HIDDEN_SIZE
+def auto_compiles(tokens: int, hidden_size: int) -> bool:
+    """Whether ``"auto"`` compiles a layer called on ``tokens`` tokens of ``hidden_size`` (see
+    :data:`AUTO_MIN_LAYER_WORK`)."""
+    return tokens * hidden_size ** 2 >= AUTO_MIN_LAYER_WORK
+
+
+class _DecideOnFirstCall:
+    """A layer's body under ``"auto"`` until the layer's first call, which shows the token count a setup cannot
+    know: that call binds every body of the layer compiled or eager (:func:`auto_compiles`) and runs. Eager, the
+    layer's ``gradient_accumulation_fusion="auto"`` linears go back to autograd's accumulation
+    (``grad_accumulation_default.py`` turned them on for compiled code, before any backward)."""
+
+    def __init__(self, layer: nn.Module, name: str, compile_kwargs: Dict[str, Any]) -> None:
+        # the layer itself, not a weak reference: a deep copy of the layer then decides for the copy
+        self.layer, self.name, self.compile_kwargs = layer, name, compile_kwargs
+
+    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        layer = self.layer
+        for name in [n for n in COMPILED_BODIES if isinstance(vars(layer).get(n), _DecideOnFirstCall)]:
+            delattr(layer, name)
+        if auto_compiles(hidden.numel() // hidden.shape[-1], hidden.shape[-1]):
+            compile_layer(layer, **self.compile_kwargs)
+        else:
+            from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+            for linear in layer.modules():
+                if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)) and \
+                        linear.grad_accumulation_fusion == "auto":
+                    linear.accumulate_weight_grads = False
+        return getattr(layer, self.name)(hidden, *args, **kwargs)
+
+
+def _bodies_to_compile(layer: nn.Module) -> List[str]:
+    from ..moe.layer import MoELayer
+
+    # an MoE layer: its attention block only (token dispatch reads counts on the host)
+    return ["_attention_block"] if isinstance(getattr(layer, "mlp", None), MoELayer) else list(COMPILED_BODIES)
 
 
 def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
                          full_graph: bool = False) -> int:
     """The strategy's ``compile_layers`` switch on ``model`` for ``device``, the layout and whether a
-    full-iteration graph replays the step (see :func:`resolve_compile_layers` and :func:`auto_compiles`): how
-    many layers it compiled."""
+    full-iteration graph replays the step (see :func:`resolve_compile_layers`): how many layers it compiled, or
+    under ``"auto"`` left to decide at their first call (:class:`_DecideOnFirstCall`)."""
     from .layer import TransformerLayer
 
     kwargs = resolve_compile_layers(setting, device, cp)
-    if kwargs is None:
+    if kwargs is None or (full_graph and check_compile_layers(setting) == "auto"):
         return 0
-    automatic = check_compile_layers(setting) == "auto"
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)
-              and (not automatic or auto_compiles(m.attention.config.hidden_size, full_graph))]
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        compile_layer(layer, **kwargs)
+        if check_compile_layers(setting) != "auto":
+            compile_layer(layer, **kwargs)
+        elif not compiled_bodies(layer) and getattr(layer, "_compiled_call_impl", None) is None:
+            for name in _bodies_to_compile(layer):
+                setattr(layer, name, _DecideOnFirstCall(layer, name, kwargs))
     return len(layers)
 
 

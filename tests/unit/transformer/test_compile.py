@@ -65,27 +65,49 @@ def _state_dict_and_modules():
     return True
 
 
-def _auto_by_width():
+def _auto_decides_at_the_first_call():
     import lightning_megatron.transformer.compile as compile_module
     from lightning_megatron.parallel import ParallelLayout, ParallelState
+    from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from lightning_megatron.transformer.grad_accumulation_default import resolve_gradient_accumulation_fusion
+    from lightning_megatron.transformer.layer import TransformerLayer
 
     ParallelState(ParallelLayout(1)).activate()
-    cuda = torch.device("cuda", 0)   # torch.compile wraps lazily: nothing runs on the device here
-    counts = [apply_compile_layers(_tiny_gpt(), "auto", cuda),                    # hidden 16: host-bound, eager
-              apply_compile_layers(_tiny_gpt(), True, cuda, full_graph=True)]     # asked for: everywhere
-    compile_module.AUTO_MIN_HIDDEN_SIZE = 16
-    counts += [apply_compile_layers(_tiny_gpt(), "auto", cuda),                   # wide enough
-               apply_compile_layers(_tiny_gpt(), "auto", cuda, full_graph=True),  # not inside a full graph
-               apply_compile_layers(_tiny_gpt(), "auto", cuda, cp=2)]
-    return counts
+    cuda = torch.device("cuda", 0)   # nothing runs on it: the bodies decide on the CPU tensors they are given
+    ids = torch.randint(0, 64, (2, 8))   # 16 tokens of hidden 16: 16 * 16**2 = 4096 "work"
+    torch.manual_seed(0)
+    reference = _tiny_gpt()
+    expected = reference(ids)
+
+    def run(min_work, **apply_kwargs):
+        compile_module.AUTO_MIN_LAYER_WORK = min_work
+        model = _tiny_gpt()
+        model.load_state_dict(reference.state_dict())
+        count = apply_compile_layers(model, "auto", cuda, **apply_kwargs)
+        fused = resolve_gradient_accumulation_fusion(model, cuda_graphs=False)
+        out = model(ids)
+        torch.testing.assert_close(out, expected)
+        layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+        linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        return (count, fused, sorted({tuple(compiled_bodies(layer)) for layer in layers}),
+                sum(linear.accumulate_weight_grads for linear in linears))
+
+    # "auto" resolves to {} (inductor) on CUDA; the CPU test compiles with the eager backend instead
+    compile_module.resolve_compile_layers = lambda setting, device, cp=1: None if cp > 1 else {"backend": "eager"}
+    return [run(4097),                    # one token short: host-bound, eager, the fusion turned back off
+            run(4096),                    # enough work: compiled, the fusion kept
+            run(1, full_graph=True),      # never inside a full-iteration graph
+            run(1, cp=2)]
 
 
-def test_auto_compiles_wide_layers_outside_full_graphs():
-    from lightning_megatron.transformer.compile import AUTO_MIN_HIDDEN_SIZE, auto_compiles
+def test_auto_compiles_the_layers_whose_first_call_carries_enough_work():
+    from lightning_megatron.transformer.compile import AUTO_MIN_LAYER_WORK, auto_compiles
 
-    assert not auto_compiles(768, full_graph=False) and auto_compiles(2048, full_graph=False)   # BERT-base, GPT-1.3B
-    assert not auto_compiles(4096, full_graph=True) and AUTO_MIN_HIDDEN_SIZE == 2048
-    assert run_on_ranks(_auto_by_width, 1, timeout=120) == [[0, 3, 3, 0, 0]]
+    assert not auto_compiles(512, 768) and auto_compiles(8192, 896)   # BERT-base measured slower, the chat shape
+    assert auto_compiles(8192, 2048) and AUTO_MIN_LAYER_WORK == 2 ** 30
+    bodies = ("_forward", "_attention_block", "_mlp_block")
+    assert run_on_ranks(_auto_decides_at_the_first_call, 1, timeout=180) == [[
+        (3, 15, [()], 0), (3, 15, [bodies], 15), (0, 0, [()], 0), (0, 0, [()], 0)]]
 
 
 def test_compiled_model_keeps_its_state_dict_and_modules():
