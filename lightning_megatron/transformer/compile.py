@@ -185,12 +185,12 @@ def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch
     under ``"auto"`` left to decide at their first call (:class:`_DecideOnFirstCall`)."""
     from .layer import TransformerLayer
 
-    kwargs = resolve_compile_layers(setting, device, cp)
-    if kwargs is None or (full_graph and check_compile_layers(setting) == "auto"):
+    kwargs, automatic = resolve_compile_layers(setting, device, cp), check_compile_layers(setting) == "auto"
+    if kwargs is None or (full_graph and automatic):
         return 0
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        if check_compile_layers(setting) != "auto":
+        if not automatic:
             compile_layer(layer, **kwargs)
         elif not compiled_bodies(layer) and getattr(layer, "_compiled_call_impl", None) is None:
             for name in _bodies_to_compile(layer):
