@@ -134,8 +134,9 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
 #: size squared, which the layer's matmul FLOPs are proportional to. Below it a layer is host-bound: inductor
 #: launches its kernels from Python (~30 us each, eager PyTorch ~5 us), which costs more than the fusion saves.
 #: BERT-base, 512 tokens x 768^2 = 3.0e8, through the Trainer on one H200: eager layers 34.4 ms a step, compiled
-#: 48.8 ms; under ``cuda_graph="partial"`` 9.9 vs 11.3 ms. Compiled measured faster: Qwen2.5-0.5B-shaped chat
-#: fine-tuning (8192 x 896^2 = 6.6e9), GPT-1.3B and the Llama shapes (>= 3.4e10) (benchmarks/RESULTS.md).
+#: 48.8 ms; under ``cuda_graph="partial"`` 9.9 vs 11.3 ms. Compiled measured faster: GPT-1.3B and the Llama
+#: shapes (>= 3.4e10), and at the chat recipe's Qwen2.5-0.5B shape (8192 x 896^2 = 6.6e9) a plain loop's compiled
+#: decoder layers ran 1.37x its eager ones (benchmarks/RESULTS.md).
 AUTO_MIN_LAYER_WORK = 2 ** 30
 
 

@@ -94,7 +94,7 @@ def _auto_decides_at_the_first_call():
 
     # "auto" resolves to {} (inductor) on CUDA; the CPU test compiles with the eager backend instead
     compile_module.resolve_compile_layers = lambda setting, device, cp=1: None if cp > 1 else {"backend": "eager"}
-    return [run(4097),                    # one token short: host-bound, eager, the fusion turned back off
+    return [run(4097),                    # just short of the threshold: eager, the fusion turned back off
             run(4096),                    # enough work: compiled, the fusion kept
             run(1, full_graph=True),      # never inside a full-iteration graph
             run(1, cp=2)]
