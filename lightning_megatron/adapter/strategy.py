@@ -45,13 +45,13 @@ from ..parallel.config import ParallelConfig
 from ..parallel.topology import DEFAULT_ORDER
 from ..pipeline.shared_embeddings import check_tied_optimizer_settings
 from ..quantization.float8 import Float8Config, enable_fp8, fp8_config
-from ..transformer.compile import CompileLayers, apply_compile_layers, check_compile_layers
+from ..transformer.compile import CompileLayers, check_compile_layers
 from ..transformer.config import model_defaults
-from ..transformer.grad_accumulation_default import resolve_gradient_accumulation_fusion
 from .checkpoint_hooks import ShardedCheckpointHooks
 from .evaluation import EvaluationHooks
 from .last_stage import (Metrics, TrainingLastStage, call_hooks, check_automatic_optimization, check_model_kept,
                          check_per_token_accumulation, finish_step, training_outputs)
+from .layer_setup import prepare_layers
 from .loaders import prepare_dataloader
 from .log_capture import DATA_PARALLEL_GROUP
 from .metric_sync import sync_metrics_over_data_parallel
@@ -210,10 +210,9 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             check_automatic_optimization(self.lightning_module)
             check_per_token_accumulation(self.calculate_per_token_loss, trainer.accumulate_grad_batches)
         enable_fp8(self.lightning_module, self.fp8)   # the model exists (configure_model), the optimizer not yet
-        state, graph = self._state(), self.graph_config.cuda_graph
-        apply_compile_layers(self.lightning_module, self.compile_layers, self.root_device, state.cp_size, graph == "full")
-        resolve_gradient_accumulation_fusion(self.lightning_module, graph is not None)
-        report_pipeline_layout(self.lightning_module, state)
+        prepare_layers(self.lightning_module, self.compile_layers, self.root_device, self._state().cp_size,
+                       self.graph_config.cuda_graph)
+        report_pipeline_layout(self.lightning_module, self._state())
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -26,7 +26,7 @@ tests/unit/transformer/test_compile.py fails on a per-step guard).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -152,15 +152,22 @@ class _DecideOnFirstCall:
     layer's ``gradient_accumulation_fusion="auto"`` linears go back to autograd's accumulation
     (``grad_accumulation_default.py`` turned them on for compiled code, before any backward)."""
 
-    def __init__(self, layer: nn.Module, name: str, compile_kwargs: Dict[str, Any]) -> None:
+    def __init__(self, layer: nn.Module, name: str, compile_kwargs: Dict[str, Any],
+                 report: Optional[Callable[[str], None]]) -> None:
         # the layer itself, not a weak reference: a deep copy of the layer then decides for the copy
-        self.layer, self.name, self.compile_kwargs = layer, name, compile_kwargs
+        self.layer, self.name, self.compile_kwargs, self.report = layer, name, compile_kwargs, report
 
     def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer
         for name in [n for n in COMPILED_BODIES if isinstance(vars(layer).get(n), _DecideOnFirstCall)]:
             delattr(layer, name)
-        if auto_compiles(hidden.numel() // hidden.shape[-1], hidden.shape[-1]):
+        tokens, width = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
+        compiled = auto_compiles(tokens, width)
+        if self.report is not None and getattr(layer, "layer_number", None) == 1:   # one line a model
+            self.report(f"compile_layers='auto': {tokens} tokens of width {width} a call, tokens x width^2 = "
+                        f"{tokens * width ** 2:.1e} (compiled from {AUTO_MIN_LAYER_WORK:.1e}) -> layers " +
+                        ("compiled" if compiled else "eager (host-bound; compile_layers=True compiles them anyway)"))
+        if compiled:
             compile_layer(layer, **self.compile_kwargs)
         else:
             from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -180,10 +187,11 @@ def _bodies_to_compile(layer: nn.Module) -> List[str]:
 
 
 def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
-                         full_graph: bool = False) -> int:
+                         full_graph: bool = False, report: Optional[Callable[[str], None]] = None) -> int:
     """The strategy's ``compile_layers`` switch on ``model`` for ``device``, the layout and whether a
     full-iteration graph replays the step (see :func:`resolve_compile_layers`): how many layers it compiled, or
-    under ``"auto"`` left to decide at their first call (:class:`_DecideOnFirstCall`)."""
+    under ``"auto"`` left to decide at their first call (:class:`_DecideOnFirstCall`; ``report`` gets one line
+    saying what the model's first layer decided)."""
     from .layer import TransformerLayer
 
     kwargs, automatic = resolve_compile_layers(setting, device, cp), check_compile_layers(setting) == "auto"
@@ -195,7 +203,7 @@ def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch
             compile_layer(layer, **kwargs)
         elif not compiled_bodies(layer) and getattr(layer, "_compiled_call_impl", None) is None:
             for name in _bodies_to_compile(layer):
-                setattr(layer, name, _DecideOnFirstCall(layer, name, kwargs))
+                setattr(layer, name, _DecideOnFirstCall(layer, name, kwargs, report))
     return len(layers)
 
 

@@ -83,7 +83,7 @@ def _auto_decides_at_the_first_call():
         compile_module.AUTO_MIN_LAYER_WORK = min_work
         model = _tiny_gpt()
         model.load_state_dict(reference.state_dict())
-        count = apply_compile_layers(model, "auto", cuda, **apply_kwargs)
+        count = apply_compile_layers(model, "auto", cuda, report=said.append, **apply_kwargs)
         fused = resolve_gradient_accumulation_fusion(model, cuda_graphs=False)
         out = model(ids)
         torch.testing.assert_close(out, expected)
@@ -94,10 +94,12 @@ def _auto_decides_at_the_first_call():
 
     # "auto" resolves to {} (inductor) on CUDA; the CPU test compiles with the eager backend instead
     compile_module.resolve_compile_layers = lambda setting, device, cp=1: None if cp > 1 else {"backend": "eager"}
-    return [run(4097),                    # just short of the threshold: eager, the fusion turned back off
+    said = []
+    runs = [run(4097),                    # just short of the threshold: eager, the fusion turned back off
             run(4096),                    # enough work: compiled, the fusion kept
             run(1, full_graph=True),      # never inside a full-iteration graph
             run(1, cp=2)]
+    return runs, said
 
 
 def test_auto_compiles_the_layers_whose_first_call_carries_enough_work():
@@ -106,8 +108,10 @@ def test_auto_compiles_the_layers_whose_first_call_carries_enough_work():
     assert not auto_compiles(512, 768) and auto_compiles(8192, 896)   # BERT-base measured slower, the chat shape
     assert auto_compiles(8192, 2048) and AUTO_MIN_LAYER_WORK == 2 ** 30
     bodies = ("_forward", "_attention_block", "_mlp_block")
-    assert run_on_ranks(_auto_decides_at_the_first_call, 1, timeout=180) == [[
-        (3, 15, [()], 0), (3, 15, [bodies], 15), (0, 0, [()], 0), (0, 0, [()], 0)]]
+    runs, said = run_on_ranks(_auto_decides_at_the_first_call, 1, timeout=180)[0]
+    assert runs == [(3, 15, [()], 0), (3, 15, [bodies], 15), (0, 0, [()], 0), (0, 0, [()], 0)]
+    assert len(said) == 2 and "16 tokens of width 16 a call" in said[0]   # one line a model, from its first layer
+    assert "eager (host-bound" in said[0] and said[1].endswith("-> layers compiled"), said
 
 
 def test_compiled_model_keeps_its_state_dict_and_modules():
