@@ -148,14 +148,15 @@ def auto_compiles(tokens: int, hidden_size: int) -> bool:
 
 class _DecideOnFirstCall:
     """A layer's body under ``"auto"`` until the layer's first call, which shows the token count a setup cannot
-    know: that call binds every body of the layer compiled or eager (:func:`auto_compiles`) and runs. Eager, the
-    layer's ``gradient_accumulation_fusion="auto"`` linears go back to autograd's accumulation
-    (``grad_accumulation_default.py`` turned them on for compiled code, before any backward)."""
+    know: that call binds every body of the layer compiled or eager (:func:`auto_compiles`), calls ``on_bound(layer)``
+    (the strategy decides the layer's gradient-accumulation fusion default again there: setup had counted these
+    bodies as compiled) and runs."""
 
     def __init__(self, layer: nn.Module, name: str, compile_kwargs: Dict[str, Any],
-                 report: Optional[Callable[[str], None]]) -> None:
+                 report: Optional[Callable[[str], None]], on_bound: Optional[Callable[[nn.Module], Any]]) -> None:
         # the layer itself, not a weak reference: a deep copy of the layer then decides for the copy
-        self.layer, self.name, self.compile_kwargs, self.report = layer, name, compile_kwargs, report
+        self.layer, self.name, self.compile_kwargs = layer, name, compile_kwargs
+        self.report, self.on_bound = report, on_bound
 
     def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer
@@ -169,13 +170,8 @@ class _DecideOnFirstCall:
                         ("compiled" if compiled else "eager (host-bound; compile_layers=True compiles them anyway)"))
         if compiled:
             compile_layer(layer, **self.compile_kwargs)
-        else:
-            from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-            for linear in layer.modules():
-                if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)) and \
-                        linear.grad_accumulation_fusion == "auto":
-                    linear.accumulate_weight_grads = False
+        if self.on_bound is not None:
+            self.on_bound(layer)
         return getattr(layer, self.name)(hidden, *args, **kwargs)
 
 
@@ -187,11 +183,12 @@ def _bodies_to_compile(layer: nn.Module) -> List[str]:
 
 
 def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch.device, cp: int = 1,
-                         full_graph: bool = False, report: Optional[Callable[[str], None]] = None) -> int:
+                         full_graph: bool = False, report: Optional[Callable[[str], None]] = None,
+                         on_bound: Optional[Callable[[nn.Module], Any]] = None) -> int:
     """The strategy's ``compile_layers`` switch on ``model`` for ``device``, the layout and whether a
     full-iteration graph replays the step (see :func:`resolve_compile_layers`): how many layers it compiled, or
     under ``"auto"`` left to decide at their first call (:class:`_DecideOnFirstCall`; ``report`` gets one line
-    saying what the model's first layer decided)."""
+    saying what the model's first layer decided, ``on_bound`` each layer once its bodies are bound)."""
     from .layer import TransformerLayer
 
     kwargs, automatic = resolve_compile_layers(setting, device, cp), check_compile_layers(setting) == "auto"
@@ -203,7 +200,7 @@ def apply_compile_layers(model: nn.Module, setting: CompileLayers, device: torch
             compile_layer(layer, **kwargs)
         elif not compiled_bodies(layer) and getattr(layer, "_compiled_call_impl", None) is None:
             for name in _bodies_to_compile(layer):
-                setattr(layer, name, _DecideOnFirstCall(layer, name, kwargs, report))
+                setattr(layer, name, _DecideOnFirstCall(layer, name, kwargs, report, on_bound))
     return len(layers)
 
 

@@ -32,13 +32,17 @@ def resolve_gradient_accumulation_fusion(model: nn.Module, cuda_graphs: bool) ->
     linears it turned on."""
     from .layer import TransformerLayer
 
+    return sum(resolve_layer_fusion(layer, cuda_graphs) for layer in model.modules()
+               if isinstance(layer, TransformerLayer))
+
+
+def resolve_layer_fusion(layer: nn.Module, cuda_graphs: bool) -> int:
+    """:func:`resolve_gradient_accumulation_fusion` for one transformer layer (``compile_layers="auto"`` decides
+    again once a layer's first call has bound its bodies eager or compiled)."""
+    compiled = {id(m) for module in compiled_modules(layer) for m in module.modules() if isinstance(m, _LINEARS)}
     turned_on = 0
-    for layer in model.modules():
-        if not isinstance(layer, TransformerLayer):
-            continue
-        compiled = {id(m) for module in compiled_modules(layer) for m in module.modules() if isinstance(m, _LINEARS)}
-        for linear in layer.modules():
-            if isinstance(linear, _LINEARS) and linear.grad_accumulation_fusion == "auto":
-                linear.accumulate_weight_grads = id(linear) in compiled and not cuda_graphs and linear.float8 is None
-                turned_on += linear.accumulate_weight_grads
+    for linear in layer.modules():
+        if isinstance(linear, _LINEARS) and linear.grad_accumulation_fusion == "auto":
+            linear.accumulate_weight_grads = id(linear) in compiled and not cuda_graphs and linear.float8 is None
+            turned_on += linear.accumulate_weight_grads
     return turned_on

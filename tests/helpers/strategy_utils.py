@@ -47,9 +47,10 @@ class PackedTokenData(TokenData):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, layers=4, lr=2.0, dropout=0.0, pipeline_layout=None, **config):
+    def __init__(self, layers=4, lr=2.0, dropout=0.0, pipeline_layout=None, gpt_kwargs=None, **config):
         super().__init__()
         self.layers, self.lr, self.config = layers, lr, config   # config: extra TransformerConfig fields
+        self.gpt_kwargs = gpt_kwargs or {}                      # extra GPTModel keywords
         self.pipeline_layout = pipeline_layout
         self.dropout = dropout
         self.step_losses = []
@@ -60,7 +61,7 @@ class TinyGPT(L.LightningModule):
         cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4,
                                 hidden_dropout=self.dropout, attention_dropout=self.dropout, **self.config)
         self.model = VirtualChunks(lambda vp_rank: GPTModel(cfg, VOCAB, SEQ, vp_rank=vp_rank,
-                                                            pipeline_layout=self.pipeline_layout))
+                                                            pipeline_layout=self.pipeline_layout, **self.gpt_kwargs))
 
     def forward(self, batch):
         return self.model(batch["input_ids"], labels=batch["labels"])
@@ -132,19 +133,6 @@ def fit_saving_every_step(folder, max_steps, background, resume_from=None, callb
                             resume_from=resume_from, accelerator=accelerator)["losses"]
     finally:
         os.environ["WORLD_SIZE"] = world
-
-
-class FusedLossGPT(TinyGPT):
-    """TinyGPT with the whole-logits fused loss (what the float8 output layer runs in)."""
-
-    def configure_model(self):
-        if hasattr(self, "model"):
-            return
-        cfg = TransformerConfig(num_layers=self.layers, hidden_size=16, num_attention_heads=4,
-                                hidden_dropout=self.dropout, attention_dropout=self.dropout, **self.config)
-        self.model = VirtualChunks(lambda vp_rank: GPTModel(
-            cfg, VOCAB, SEQ, vp_rank=vp_rank, pipeline_layout=self.pipeline_layout, fused_cross_entropy=True,
-            cross_entropy_chunk_size=None))
 
 
 class TinyGPTWithAccuracy(TinyGPT):

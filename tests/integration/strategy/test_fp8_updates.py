@@ -6,7 +6,7 @@ tests/unit/quantization checks the shards' scales.)"""
 
 import pytest
 
-from helpers.strategy_utils import FusedLossGPT, assert_same_run, assert_same_updates, fit_and_record
+from helpers.strategy_utils import assert_same_run, assert_same_updates, fit_and_record
 from lightning_megatron.testing import run_on_ranks
 
 
@@ -16,6 +16,8 @@ def _fp8(output_layer=True):
     return Float8Config("tensorwise", emulate=True, compile=False, output_layer=output_layer)
 
 
+# the whole-logits fused loss: what the float8 output layer runs in
+FUSED = dict(gpt_kwargs=dict(fused_cross_entropy=True, cross_entropy_chunk_size=None))
 LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
            "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                micro_batch_size=2))}
@@ -23,15 +25,14 @@ LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2, **extra), None, timeout=180,
-                               module_cls=FusedLossGPT)[0]
+    return {name: run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2, **extra), FUSED, timeout=180)[0]
             for name, extra in (("fp8", dict(fp8=_fp8())), ("bf", dict()))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_float8_with_the_output_layer_trains_like_one_process(references, name):
     world, kwargs = LAYOUTS[name]
-    out = run_on_ranks(fit_and_record, world, dict(kwargs, fp8=_fp8()), None, timeout=240, module_cls=FusedLossGPT)
+    out = run_on_ranks(fit_and_record, world, dict(kwargs, fp8=_fp8()), FUSED, timeout=240)
     assert_same_run(out, references["fp8"])
     with pytest.raises(AssertionError):   # and float8 is on: the updates differ from high precision's
         assert_same_updates(references["fp8"]["params"], references["bf"]["params"])
@@ -41,12 +42,9 @@ def test_float8_with_the_output_layer_under_tensor_and_sequence_parallelism(refe
     """tp2 + SP: the output layer's shards scale their own rows, so the run is float8's rounding away from one
     process's, not equal: at this width (hidden 16) that rounding moves the updates by ~30% (as far as high
     precision's are from float8's), so the bound is loose; a gradient off by a factor of 2 moves them by ~100%."""
-    import torch
-
     out = run_on_ranks(fit_and_record, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                                               micro_batch_size=2, fp8=_fp8()), None, timeout=240,
-                       module_cls=FusedLossGPT)
-    ref, bf = references["fp8"], references["bf"]
+                                               micro_batch_size=2, fp8=_fp8()), FUSED, timeout=240)
+    ref = references["fp8"]
     for rank_out in out:
         assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-2)
 
@@ -55,5 +53,4 @@ def test_float8_with_the_output_layer_under_tensor_and_sequence_parallelism(refe
         return max(((x[n] - first[0][n]) - (y[n] - first[1][n])).norm().item() / max(
             (y[n] - first[1][n]).norm().item(), 1e-12) for x, y in zip(a["params"][1:], b["params"][1:]) for n in y)
 
-    del torch
     assert distance(out[0], ref) < 0.5

@@ -69,7 +69,7 @@ def _auto_decides_at_the_first_call():
     import lightning_megatron.transformer.compile as compile_module
     from lightning_megatron.parallel import ParallelLayout, ParallelState
     from lightning_megatron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from lightning_megatron.transformer.grad_accumulation_default import resolve_gradient_accumulation_fusion
+    from lightning_megatron.adapter.layer_setup import prepare_layers
     from lightning_megatron.transformer.layer import TransformerLayer
 
     ParallelState(ParallelLayout(1)).activate()
@@ -79,12 +79,11 @@ def _auto_decides_at_the_first_call():
     reference = _tiny_gpt()
     expected = reference(ids)
 
-    def run(min_work, **apply_kwargs):
+    def run(min_work, cp=1, cuda_graph=None):
         compile_module.AUTO_MIN_LAYER_WORK = min_work
         model = _tiny_gpt()
         model.load_state_dict(reference.state_dict())
-        count = apply_compile_layers(model, "auto", cuda, report=said.append, **apply_kwargs)
-        fused = resolve_gradient_accumulation_fusion(model, cuda_graphs=False)
+        count, fused = prepare_layers(model, "auto", cuda, cp, cuda_graph, report=said.append)
         out = model(ids)
         torch.testing.assert_close(out, expected)
         layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
@@ -97,7 +96,7 @@ def _auto_decides_at_the_first_call():
     said = []
     runs = [run(4097),                    # just short of the threshold: eager, the fusion turned back off
             run(4096),                    # enough work: compiled, the fusion kept
-            run(1, full_graph=True),      # never inside a full-iteration graph
+            run(1, cp=1, cuda_graph="full"),   # never inside a full-iteration graph
             run(1, cp=2)]
     return runs, said
 
