@@ -9,13 +9,14 @@ parallelism: the local sums are then summed over the whole world, once.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import defaultdict
 from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..parallel import ParallelState
 from ..tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
@@ -46,6 +47,7 @@ def clip_plan(params: Iterable[nn.Parameter], state: ParallelState) -> ClipPlan:
                     [p for p in counted if getattr(p, "expert_parallel", False)])
 
 
+@torch.no_grad()
 def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_type: float = 2.0,
                      sharded: bool = False, device: Optional[torch.device] = None,
                      plan: Optional[ClipPlan] = None) -> torch.Tensor:
@@ -55,19 +57,19 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
     reduction runs when this rank holds no gradient (default: the first gradient's device, or CPU).
     ``plan``: ``clip_plan(params, state)``, when the caller keeps it between steps.
     """
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     plan = plan or clip_plan(params, state)
-    dense = [p.grad for p in plan.dense if p.grad is not None]
-    expert = [p.grad for p in plan.expert if p.grad is not None]
-    first = params[0].grad if params else None
+    first = next((p.grad for p in params if p.grad is not None), None)
     device = first.device if first is not None else (device or torch.device("cpu"))
     totals: List[torch.Tensor] = []
     local: Optional[torch.Tensor]
-    for grads, name in ((dense, "mp"), (expert, "tp-ep-pp")):
+    for grads, name in ((_grads(plan.dense), "mp"), (_grads(plan.expert), "tp-ep-pp")):
         group = None if sharded else state.group(name)   # None: the world, i.e. also over the data shards
         alone = dist.get_world_size() == 1 if sharded else state.size(name) == 1   # nothing to reduce
+        if alone and not grads:   # no term, no collective (a model without experts: one fewer kernel a step)
+            continue
         if math.isinf(norm_type):
-            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
+            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else \
                 torch.zeros((), device=device)
             if not alone:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
@@ -84,21 +86,24 @@ def global_grad_norm(params: Iterable[nn.Parameter], state: ParallelState, norm_
             if not alone:
                 dist.all_reduce(local, group=group)
         totals.append(local)
+    if not totals:
+        return torch.zeros((), device=device)
     if math.isinf(norm_type):
-        return torch.maximum(totals[0], totals[1])
-    return (totals[0] + totals[1]) ** (1.0 / norm_type)
+        return functools.reduce(torch.maximum, totals)
+    return functools.reduce(torch.add, totals) ** (1.0 / norm_type)
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, state: ParallelState,
                    norm_type: float = 2.0, sharded: bool = False,
                    device: Optional[torch.device] = None, plan: Optional[ClipPlan] = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parallel model: same norm, same coefficient."""
-    params = [p for p in params if p.grad is not None]
+    params = list(params)
     total = global_grad_norm(params, state, norm_type, sharded, device, plan)
-    scale_grads_([p.grad for p in params if p.grad is not None], torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    scale_grads_(_grads(params), torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 
+@torch.no_grad()
 def scale_grads_(grads: Iterable[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply ``grads`` in place by the device scalar ``factor`` (no host sync): one foreach kernel per
     (device, dtype), the factor cast to the gradients' dtype -- a float32 factor on bf16 gradients would take
@@ -108,9 +113,15 @@ def scale_grads_(grads: Iterable[torch.Tensor], factor: torch.Tensor) -> None:
         torch._foreach_mul_(same, factor.to(device=grad_device, dtype=dtype))
 
 
-def _by_device_and_dtype(grads: Iterable[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
-    """Gradients grouped so that each foreach kernel sees one device and one dtype (its fast path)."""
-    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
-    for grad in grads:
-        groups[(grad.device, grad.dtype)].append(grad.detach())
-    return groups
+def _grads(params: Iterable[nn.Parameter]) -> List[torch.Tensor]:
+    return [g for g in (p.grad for p in params) if g is not None]
+
+
+def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
+    """Tensors grouped so that each foreach kernel sees one device and one dtype (its fast path); torch's own
+    grouping (C++, as its clip_grad_norm_ and optimizers use): a Python loop over a model's ~200 gradients cost
+    more host time than the kernels it feeds. Callers run under ``no_grad`` (nothing to detach)."""
+    tensors = list(tensors)
+    if not tensors:   # torch's grouping refuses an empty list
+        return {}
+    return {key: lists[0] for key, (lists, _) in _group_tensors_by_device_and_dtype([tensors]).items()}

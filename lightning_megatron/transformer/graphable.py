@@ -17,7 +17,8 @@ protocol lives with the layers (plain torch, no graph machinery) so that ``cuda_
           return graphed(x) if graphed is not None else self._forward(x)
 
 - ``graph_constants()``: host values baked into the graphs at capture (e.g. an MoE router's
-  ``aux_loss_scale``); a step where they differ runs eagerly.
+  ``aux_loss_scale``); a step where they differ runs eagerly. Asked at every step of layers that had some
+  at the capture only: which constants a layer has is fixed once its graphs exist.
 
 A container that runs such layers one after another with nothing in between (``TransformerBlock``,
 ``PipelineStack``) says so with ``graphable_layers()``, the layers in the order they run: that is how
