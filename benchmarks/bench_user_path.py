@@ -1,7 +1,7 @@
 """The path users take, side by side on one GPU: plain PyTorch loop, the same model under Lightning
-``strategy="auto"``, and ``MegatronStrategy`` through the Trainer (eager, ``cuda_graph="partial"``,
-``"full"``); for BERT-base also a plain whole-step ``torch.cuda.graph`` (Hugging Face BERT, the graph a
-user would write by hand) and the plain loop over that same Hugging Face model.
+``strategy="auto"``, and ``MegatronStrategy`` through the Trainer (eager, ``cuda_graph="partial"`` per layer and
+with ``cuda_graph_scope="block"``, ``"full"``); for BERT-base also a plain whole-step ``torch.cuda.graph``
+(Hugging Face BERT, the graph a user would write by hand) and the plain loop over that same Hugging Face model.
 
 Workloads (bf16-true, fused AdamW, gradient clipping at 1.0 on every path, batches from a DataLoader
 of CPU tensors moved to the GPU by each path):
@@ -37,7 +37,7 @@ BERT = dict(layers=12, hidden=768, heads=12, seq=128, batch=4, vocab=30522, labe
 LLAMA = dict(layers=16, hidden=2048, heads=32, kv=8, ffn=8192, seq=4096, batch=1, vocab=128256, rope_base=500000.0)
 CONFIGS = ["gpt/plain", "gpt/auto", "gpt/ours-eager", "llama/plain", "llama/plain-hf", "llama/ours-eager",
            "bert/plain-hf", "bert/plain-hf-graph", "bert/plain", "bert/auto", "bert/ours-eager",
-           "bert/ours-partial", "bert/ours-full",
+           "bert/ours-partial", "bert/ours-partial-block", "bert/ours-full",
            "bert/ours-full-compiled", "gpt8/ours-eager", "gpt8/ours-eager-fusedce"]
 # gpt8: the GPT at micro-batch 8, where the loss's float32 logits are largest (the fused chunked loss's case)
 GPT8 = dict(GPT, batch=8)
@@ -198,7 +198,8 @@ def run_plain(workload: str, hf: bool = False, graph: bool = False, profile: boo
 
 
 def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: bool = False,
-                  cprofile: bool = False, steps=None, cross_entropy_chunk_size=None, compile_layers="auto") -> dict:
+                  cprofile: bool = False, steps=None, cross_entropy_chunk_size=None, compile_layers="auto",
+                  cuda_graph_scope="layer") -> dict:
     """``cprofile``: Python's profiler over the timed steps (``out["cprofile"]``, a ``pstats.Stats``)."""
     import lightning as L
 
@@ -246,7 +247,8 @@ def run_lightning(workload: str, strategy_name: str, cuda_graph=None, profile: b
     else:
         from lightning_megatron import MegatronStrategy
 
-        strategy = MegatronStrategy(cuda_graph=cuda_graph, cuda_graph_warmup_steps=3, compile_layers=compile_layers)
+        strategy = MegatronStrategy(cuda_graph=cuda_graph, cuda_graph_warmup_steps=3, compile_layers=compile_layers,
+                                    cuda_graph_scope=cuda_graph_scope)
     torch.manual_seed(0)
     module = Module()
     # use_distributed_sampler=False: Lightning shuffles the training set of every distributed strategy (ours and
@@ -307,6 +309,8 @@ def run_one(name: str, profile: bool) -> dict:
         return run_lightning(workload, "auto")
     if path == "ours-eager-fusedce":
         return run_lightning(workload, "megatron", None, cross_entropy_chunk_size=FUSED_CE_CHUNK)
+    if path == "ours-partial-block":   # the chunk's layers in one graph: one replay a micro-batch
+        return run_lightning(workload, "megatron", "partial", cuda_graph_scope="block")
     if path == "ours-full-compiled":   # compiled layers inside the whole-step graph ("auto" leaves them eager)
         return run_lightning(workload, "megatron", "full", compile_layers=True)
     graph = {"ours-eager": None, "ours-partial": "partial", "ours-full": "full"}[path]

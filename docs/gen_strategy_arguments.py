@@ -67,8 +67,9 @@ MISSING_DOCSTRINGS: Dict[str, str] = {
         "forward-backward of a training step (all micro-batches and stages); batches need fixed shapes and "
         "``training_step`` runs at the capture only. Validation runs eager.",
     "cuda_graph_scope":
-        "what ``cuda_graph=\"partial\"`` captures: ``\"layer\"`` (whole transformer layers) or a list of parts "
-        "among ``\"attn\"``, ``\"mlp\"``, ``\"moe_router\"``, ``\"moe_preprocess\"``.",
+        "what ``cuda_graph=\"partial\"`` captures: ``\"layer\"`` (whole transformer layers), ``\"block\"`` (a "
+        "chunk's layers in one graph: one replay a micro-batch instead of one a layer, for host-bound models) or a "
+        "list of parts among ``\"attn\"``, ``\"mlp\"``, ``\"moe_router\"``, ``\"moe_preprocess\"``.",
     "cuda_graph_warmup_steps":
         "eager training steps before the CUDA graphs are captured.",
     "cuda_graph_backend":
@@ -117,7 +118,7 @@ CONSTRAINTS: Dict[str, str] = {
     "start_method": "one of ``popen``, ``spawn``, ``fork``, ``forkserver``",
     "cuda_graph": "``None``, ``\"partial\"`` or ``\"full\"``; needs CUDA (``accelerator=\"gpu\"``); ``\"full\"`` "
                   "refuses ``use_distributed_optimizer``, ``overlap_grad_reduce`` and ``grad_reduce_in_fp32``",
-    "cuda_graph_scope": "``\"layer\"`` alone, or a non-empty list of ``\"attn\"``, ``\"mlp\"``, "
+    "cuda_graph_scope": "``\"layer\"`` or ``\"block\"`` alone, or a non-empty list of ``\"attn\"``, ``\"mlp\"``, "
                         "``\"moe_router\"``, ``\"moe_preprocess\"``",
     "cuda_graph_warmup_steps": "int >= 1 when ``cuda_graph`` is set",
     "cuda_graph_backend": "``\"cuda\"`` or ``\"eager\"``",

@@ -54,6 +54,7 @@ from .errors import CudaGraphError
 from .plan import max_in_flight, microbatches_per_chunk, num_chunks, order_steps, static_buffer_plan
 from .rng import prepare_tracker, preserved_rng
 from .runner import MicrobatchGraphs, mark_pool_owned
+from ..transformer.graphable import missing_methods
 from .scopes import Entry, layer_entries, normalize_scope
 from .tree import TensorSpec, first_difference, signature
 
@@ -78,7 +79,8 @@ class PartialCudaGraphs:
       :class:`~lightning_megatron.cuda_graphs.GraphableLayer`. With
       ``chain_layers=False`` no graph takes its input from the previous one (use it when other
       code runs between the layers).
-    - ``scope``: ``"layer"`` or a list of ``"attn"``, ``"mlp"``, ``"moe_router"``,
+    - ``scope``: ``"layer"``, ``"block"`` (the chunks' containers, from ``layer_chunks(model, scope="block")``)
+      or a list of ``"attn"``, ``"mlp"``, ``"moe_router"``,
       ``"moe_preprocess"`` (see ``scopes.py``).
     - ``warmup_steps``: eager training steps before the capture (>= 1: they record the inputs).
     - ``rng_tracker``: the model's RNG tracker (``tensor_parallel.get_rng_tracker()``); made graph-safe.
@@ -349,27 +351,34 @@ class PartialCudaGraphs:
             warnings.warn(f"partial CUDA graphs: {message}.", stacklevel=3)
 
 
-def layer_chunks(model: nn.Module, num_chunks: int = 1) -> List[List[nn.Module]]:
+def layer_chunks(model: nn.Module, num_chunks: int = 1,
+                 scope: Union[None, str, Sequence[str]] = None) -> List[List[nn.Module]]:
     """The layers of each local chunk: those of the one container under ``model`` (per chunk) with
     ``graphable_layers()`` (``TransformerBlock``, ``PipelineStack``: see ``transformer/graphable.py``).
+    With ``scope="block"`` the container itself, graphed whole (it must implement the graphable-layer protocol).
 
     With ``num_chunks > 1`` the model must hold a ``VirtualChunks`` (one block per chunk).
     """
     from ..pipeline.chunks import VirtualChunks
 
+    whole = "block" in normalize_scope(scope)
     if num_chunks == 1:
-        found = [m.graphable_layers() for m in model.modules()  # type: ignore[operator]  # checked callable
-                 if callable(getattr(m, "graphable_layers", None))]
+        found = [m for m in model.modules() if callable(getattr(m, "graphable_layers", None))]
         if len(found) != 1:
             raise ValueError(f"found {len(found)} containers of graphable layers (TransformerBlock/PipelineStack) "
                              f"in {type(model).__name__}; layer_chunks needs exactly one per chunk. Pass the layers "
                              f"to PartialCudaGraphs yourself (chain_layers=False if other code runs between them).")
-        return [list(found[0])]
+        container = found[0]
+        if whole and missing_methods(container):
+            raise ValueError(f"cuda_graph_scope='block' graphs the container of a chunk's layers whole, but "
+                             f"{type(container).__name__} does not implement the graphable-layer protocol "
+                             f"({', '.join(missing_methods(container))} missing); use cuda_graph_scope='layer'.")
+        return [[container]] if whole else [list(container.graphable_layers())]  # type: ignore[operator]  # checked
     virtual = [m for m in model.modules() if isinstance(m, VirtualChunks)]
     if len(virtual) != 1 or len(virtual[0].chunks) != num_chunks:
         raise ValueError(f"num_chunks={num_chunks} needs one VirtualChunks module with {num_chunks} chunks in "
                          f"{type(model).__name__}; found {[len(v.chunks) for v in virtual]}.")
-    return [layer_chunks(chunk, 1)[0] for chunk in virtual[0].chunks]
+    return [layer_chunks(chunk, 1, scope)[0] for chunk in virtual[0].chunks]
 
 
 # -- helpers -------------------------------------------------------------------------------------

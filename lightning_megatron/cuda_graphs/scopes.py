@@ -6,6 +6,10 @@ one call of the layer (``forward``, ``attention_block``, ...) whose body is one 
 Scopes (seed 003), as ``TransformerLayer`` implements them:
 
 - ``"layer"``: the whole layer in one graph.
+- ``"block"``: a chunk's layers together in one graph: the container (``TransformerBlock``) is the one graphable
+  "layer" of its chunk (``layer_chunks(model, scope="block")``). One replay and one autograd node a micro-batch
+  instead of one a layer: for models whose per-layer replays are host-bound (BERT-base: ~0.1 ms of host work a
+  layer and direction); nothing can run between its layers (no eager MoE tail).
 - ``"attn"``: ``attention_block`` (norm, attention, dropout, residual).
 - ``"mlp"``: ``mlp_block`` (dense MLP; an MoE MLP only where it never syncs).
 - ``"moe_router"`` / ``"moe_preprocess"`` (MoE layers, pre-norm): the graph stops after the
@@ -32,7 +36,8 @@ from ..transformer.graphable import Finish, GraphableLayer, missing_methods
 from .errors import CudaGraphError
 from .runner import Outputs, Piece
 
-SCOPES = ("layer", "attn", "mlp", "moe_router", "moe_preprocess")
+SCOPES = ("layer", "block", "attn", "mlp", "moe_router", "moe_preprocess")
+WHOLE_SCOPES = ("layer", "block")   # scopes that stand alone
 
 
 @dataclass
@@ -64,10 +69,12 @@ def normalize_scope(scope: Union[None, str, Iterable[str]]) -> FrozenSet[str]:
     unknown = sorted(names - set(SCOPES))
     if unknown or not names:
         raise ValueError(f"cuda_graph_scope={scope!r}: {unknown or 'empty'} not in {list(SCOPES)}; use 'layer' "
-                         f"(whole layers) or a list of 'attn', 'mlp', 'moe_router', 'moe_preprocess'.")
-    if "layer" in names and len(names) > 1:
-        raise ValueError(f"cuda_graph_scope={sorted(names)}: 'layer' already holds the whole layer; "
-                         f"use 'layer' alone or a list of the parts.")
+                         f"(whole layers), 'block' (a chunk's layers in one graph) or a list of 'attn', 'mlp', "
+                         f"'moe_router', 'moe_preprocess'.")
+    for whole in WHOLE_SCOPES:
+        if whole in names and len(names) > 1:
+            raise ValueError(f"cuda_graph_scope={sorted(names)}: {whole!r} already holds whole layers; "
+                             f"use {whole!r} alone or a list of the parts.")
     return names
 
 
@@ -87,7 +94,8 @@ def layer_entries(layer: nn.Module, index: int, scope: FrozenSet[str]) -> List[E
                                  "do; set TransformerConfig(recompute_layers=False) with partial CUDA graphs (the "
                                  "graphs' shared pool already bounds activation memory by the micro-batches in "
                                  "flight).")
-        name = f"layer {index} {piece.name}" if piece.name else f"layer {index}"
+        label = "block" if callable(getattr(layer, "graphable_layers", None)) else f"layer {index}"   # "block" scope
+        name = f"{label} {piece.name}" if piece.name else label
         first, last = piece.segments
         entries.append(Entry(layer, piece.entry, piece.arg_names, _piece(name, piece.fn, layer, piece.modules),
                              piece.finish, piece.eager, 2 * index + first, 2 * index + last, piece.ends_cleanly,

@@ -192,7 +192,7 @@ class StepEngine:
             self.full_graph = FullCudaGraphWrapper(self._graphed_step, params=params, warmup_steps=warmup_steps,
                                                    rng_tracker=tracker, backend=backend)
         else:
-            self.partial_graphs = PartialCudaGraphs(layer_chunks(self.module, self.chunks), scope=scope,
+            self.partial_graphs = PartialCudaGraphs(layer_chunks(self.module, self.chunks, scope), scope=scope,
                                                     warmup_steps=warmup_steps, rng_tracker=tracker, backend=backend)
 
     # -- the step ----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import checkpoint, get_rng_tracker
 from .config import TransformerConfig, with_strategy_defaults
 from .documents import DocumentMask
+from .graphable import GraphPiece
 from .layer import TransformerLayer, given
 from .norm import build_norm
 from .stage_layers import build_stage_layers
@@ -38,6 +39,7 @@ class TransformerBlock(nn.Module):
             pipeline_layout)
         _, is_last = chunk_position(vp_rank)
         self.final_norm = build_norm(config) if config.layernorm_order != "post" and is_last else None
+        self.graphed_calls: Dict[str, Callable[..., Any]] = {}   # set_graphed: cuda_graph_scope="block"
 
     def graphable_layers(self) -> nn.ModuleList:
         """This chunk's layers, run one after another (per-layer CUDA graphs chain them)."""
@@ -55,12 +57,42 @@ class TransformerBlock(nn.Module):
         # layers are called as (hidden, mask) plus only the inputs given, by name: per-layer CUDA graphs wrap
         # the (hidden, mask) call and refuse the others by name
         extra = given(position_ids=position_ids, document_ids=documents)
+        graphed = self.graphed_calls.get("forward")
         with rng:
-            for layer in self.layers:
-                if self.config.recompute_layers and self.training:
-                    hidden = checkpoint(layer, hidden, attention_mask, **extra)
-                else:
-                    hidden = layer(hidden, attention_mask, **extra)
+            hidden = graphed(hidden, attention_mask, **extra) if graphed is not None else \
+                self._layers(hidden, attention_mask, **extra)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden
+
+    def _layers(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                **extra: Any) -> torch.Tensor:
+        for layer in self.layers:
+            if self.config.recompute_layers and self.training:
+                hidden = checkpoint(layer, hidden, attention_mask, **extra)
+            else:
+                hidden = layer(hidden, attention_mask, **extra)
+        return hidden
+
+    # -- the graphable-layer protocol (graphable.py), for cuda_graph_scope="block" --------------------------
+    def graph_pieces(self, scope: FrozenSet[str]) -> List[GraphPiece]:
+        """The chunk's layers in one graph (the final norm stays eager); nothing under the other scopes,
+        which graph the layers themselves."""
+        if scope != {"block"}:
+            return []
+        return [GraphPiece("forward", self._layers, self._layers, [self.layers], arg_names=("hidden", "attention_mask"),
+                           sequence_parallel=self.config.sequence_parallel, recomputed=self.config.recompute_layers)]
+
+    def set_graphed(self, entry: str, fn: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+        """Route the block's layers (``entry="forward"``) to ``fn`` (None: eager again); returns what it replaces."""
+        if entry != "forward":
+            raise ValueError(f"TransformerBlock.set_graphed: {entry!r} is not 'forward'.")
+        previous = self.graphed_calls.pop(entry, None)
+        if fn is not None:
+            self.graphed_calls[entry] = fn
+        return previous
+
+    def graph_constants(self) -> Dict[str, Hashable]:
+        """Every layer's constants (an MoE router's balancing-loss scale), by layer position."""
+        return {f"{i}.{name}": value for i, layer in enumerate(self.layers)
+                for name, value in getattr(layer, "graph_constants", dict)().items()}

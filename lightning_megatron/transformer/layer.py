@@ -146,6 +146,9 @@ class TransformerLayer(nn.Module):
                                       sequence_parallel=config.sequence_parallel, recomputed=config.recompute_layers)
         if scope == {"layer"}:
             return [GraphPiece("forward", self._forward, self._forward, [self], **static)]
+        if "block" in scope:
+            raise ValueError("cuda_graph_scope='block' graphs the container of a chunk's layers (TransformerBlock), "
+                             "not a layer: pass layer_chunks(model, scope='block') to PartialCudaGraphs.")
         moe_stop = "preprocess" if "moe_preprocess" in scope else "route" if "moe_router" in scope else None
         if moe_stop is not None and self._moe() is not None:
             return [self._moe_piece(scope, moe_stop, static)]

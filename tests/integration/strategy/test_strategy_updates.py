@@ -48,6 +48,10 @@ DENSE = {
     # CUDA-graph bookkeeping (capture, static buffers, replay order) with the eager backend
     "pp2-partial-graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
                                    cuda_graph_backend="eager")),
+    # a chunk's layers in one graph (cuda_graph_scope="block"), per virtual chunk
+    "pp2vpp2-block-graphs": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                     micro_batch_size=2, cuda_graph="partial", cuda_graph_scope="block",
+                                     cuda_graph_backend="eager")),
     "dp2tp2-full-graph": (4, dict(tensor_model_parallel_size=2, micro_batch_size=2, cuda_graph="full",
                                   cuda_graph_backend="eager")),
     "dp2pp2-distopt-gather": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
@@ -57,6 +61,11 @@ DENSE = {
     "dp2-partial-graphs-distopt-gather": (2, dict(micro_batch_size=2, cuda_graph="partial", cuda_graph_backend="eager",
                                                   use_distributed_optimizer=True, overlap_grad_reduce=True,
                                                   overlap_param_gather=True, **SMALL_BUCKETS)),
+    "dp2tp2sp-block-graphs-distopt-gather": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                     micro_batch_size=2, cuda_graph="partial",
+                                                     cuda_graph_scope="block", cuda_graph_backend="eager",
+                                                     use_distributed_optimizer=True, overlap_param_gather=True,
+                                                     **SMALL_BUCKETS)),
     # sequence-parallel communication overlapped with the GEMMs (a ring of chunks)
     "tp2sp-commoverlap": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)),
     "tp2pp2sp-distopt-commoverlap": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,

@@ -67,6 +67,9 @@ def test_scope_validation_names_the_fix():
         normalize_scope("attention")
     with pytest.raises(ValueError, match="'layer' alone"):
         normalize_scope(["layer", "attn"])
+    assert normalize_scope("block") == {"block"}
+    with pytest.raises(ValueError, match="'block' alone"):
+        normalize_scope(["block", "mlp"])
 
 
 def test_full_wrapper_refuses_new_shapes_and_keeps_eager_grad_semantics():
@@ -185,6 +188,30 @@ def test_layer_chunks_finds_a_users_container_by_graphable_layers():
     assert layer_chunks(model) == [list(model[1].body)]
     with pytest.raises(ValueError, match=r"found 2 containers of graphable layers .* in Sequential"):
         layer_chunks(torch.nn.Sequential(Stack(), Stack()))
+    # "block" graphs the container whole: only one that speaks the graphable-layer protocol itself
+    with pytest.raises(ValueError, match=r"cuda_graph_scope='block' .* Stack does not implement the graphable-layer "
+                                         r"protocol \(graph_pieces, set_graphed, graph_constants missing\)"):
+        layer_chunks(model, scope="block")
+
+
+def _block_scope_checks():
+    from lightning_megatron.parallel import ParallelLayout, ParallelState
+    from lightning_megatron.transformer import TransformerBlock, TransformerConfig
+
+    ParallelState(ParallelLayout(1)).activate()
+    block = TransformerBlock(TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"'block' graphs the container .* layer_chunks\(model, scope='block'\)"):
+        PartialCudaGraphs([list(block.layers)], scope="block", backend="eager")
+    assert layer_chunks(block, scope="block") == [[block]]
+    graphs = PartialCudaGraphs(layer_chunks(block, scope="block"), scope="block", backend="eager")
+    assert graphs.stats()["pieces"] == ["block"] and block.graphed_calls and not block.layers[0].graphed_calls
+    graphs.remove()
+    assert not block.graphed_calls
+    return True
+
+
+def test_block_scope_is_refused_by_a_layer_and_taken_by_its_block():
+    assert run_on_ranks(_block_scope_checks, 1, timeout=120) == [True]
 
 
 def test_before_capture_stats_are_empty_and_a_second_owner_is_refused():
@@ -269,7 +296,7 @@ def _train(mode, *, pp=1, vp=None, steps=5, warmup=2, scope="layer", dropout=0.1
 
     graphs = wrapper = None
     if mode == "partial":
-        graphs = PartialCudaGraphs(layer_chunks(model, chunks), scope=scope, warmup_steps=warmup,
+        graphs = PartialCudaGraphs(layer_chunks(model, chunks, scope), scope=scope, warmup_steps=warmup,
                                    rng_tracker=get_rng_tracker(state), backend=graph_backend)
     elif mode == "full":
         wrapper = FullCudaGraphWrapper(run_step, params=model.parameters(), warmup_steps=warmup,
@@ -321,13 +348,17 @@ def _assert_same(results, loss_tol, grad_tol):
                                        msg=lambda m: f"{name} {key}: {m}")
 
 
-DENSE_RUNS = [("partial", "partial", {}), ("partial attn+mlp", "partial", {"scope": ["attn", "mlp"]}),
+DENSE_RUNS = [("partial", "partial", {}), ("partial block", "partial", {"scope": "block"}),
+              ("partial attn+mlp", "partial", {"scope": ["attn", "mlp"]}),
               ("partial attn", "partial", {"scope": "attn"}), ("full", "full", {})]
 
 
 def test_graph_bookkeeping_trains_like_eager_on_cpu():
     """The eager backend runs the same capture order, buffer plan, chaining and replay routing."""
     results = run_on_ranks(_modes, 1, DENSE_RUNS, graph_backend="eager", timeout=300)[0]
+    # "block": one forward and one backward graph a micro-batch for the chunk's 4 layers; "layer": one per layer
+    assert results["partial block"][2]["pieces"] == ["block"] and results["partial block"][2]["graphs"] == 2 * 4
+    assert results["partial"][2]["pieces"] == [f"layer {i}" for i in range(4)] and results["partial"][2]["graphs"] == 32
     _assert_same(results, 1e-6, 1e-6)
 
 
@@ -342,7 +373,8 @@ def test_partial_graphs_capture_under_the_autocast_the_layers_ran_under_on_cpu()
 def test_graph_bookkeeping_with_pipeline_and_virtual_stages_on_cpu():
     """PP=2 with two chunks per rank: several forwards in flight share static buffers by the plan
     (a buffer reused too early would fail autograd's version check in the eager backend)."""
-    runs = [("partial", "partial", {}), ("partial attn", "partial", {"scope": "attn"}), ("full", "full", {})]
+    runs = [("partial", "partial", {}), ("partial block", "partial", {"scope": "block"}),
+            ("partial attn", "partial", {"scope": "attn"}), ("full", "full", {})]
     per_rank = run_on_ranks(_modes, 2, runs, graph_backend="eager", pp=2, vp=2, steps=4, timeout=300)
     for results in per_rank:
         _assert_same(results, 1e-6, 1e-6)
