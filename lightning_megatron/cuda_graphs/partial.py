@@ -49,12 +49,12 @@ import torch
 from torch import nn
 
 from ..tensor_parallel.random import RNGStatesTracker
+from ..transformer.graphable import missing_methods
 from .backend import make_backend
 from .errors import CudaGraphError
 from .plan import max_in_flight, microbatches_per_chunk, num_chunks, order_steps, static_buffer_plan
 from .rng import prepare_tracker, preserved_rng
 from .runner import MicrobatchGraphs, mark_pool_owned
-from ..transformer.graphable import missing_methods
 from .scopes import Entry, layer_entries, normalize_scope
 from .tree import TensorSpec, first_difference, signature
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -124,4 +124,5 @@ def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> Dict[Tuple[torch.de
     tensors = list(tensors)
     if not tensors:   # torch's grouping refuses an empty list
         return {}
-    return {key: lists[0] for key, (lists, _) in _group_tensors_by_device_and_dtype([tensors]).items()}
+    grouped = _group_tensors_by_device_and_dtype([cast(List[Optional[torch.Tensor]], tensors)])
+    return {key: cast(List[torch.Tensor], lists[0]) for key, (lists, _) in grouped.items()}

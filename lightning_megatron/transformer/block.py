@@ -78,7 +78,7 @@ class TransformerBlock(nn.Module):
     def graph_pieces(self, scope: FrozenSet[str]) -> List[GraphPiece]:
         """The chunk's layers in one graph (the final norm stays eager); nothing under the other scopes,
         which graph the layers themselves."""
-        if scope != {"block"}:
+        if scope != {"block"} or not len(self.layers):   # an empty chunk (uneven layouts) has nothing to graph
             return []
         return [GraphPiece("forward", self._layers, self._layers, [self.layers], arg_names=("hidden", "attention_mask"),
                            sequence_parallel=self.config.sequence_parallel, recomputed=self.config.recompute_layers)]

@@ -97,6 +97,11 @@ LAYOUTS = {
     "pp2-layout-3-1": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2), [3, 1]),
     "pp2vpp2-layout-1-2-0-1": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                        micro_batch_size=2), [1, 2, 0, 1]),
+    # an empty chunk has no block graph; the others one each
+    "pp2vpp2-layout-1-2-0-1-block-graphs": (2, dict(pipeline_model_parallel_size=2,
+                                                    virtual_pipeline_model_parallel_size=2, micro_batch_size=2,
+                                                    cuda_graph="partial", cuda_graph_scope="block",
+                                                    cuda_graph_backend="eager"), [1, 2, 0, 1]),
     "dp2pp2-distopt-overlap-layout-0-4": (4, dict(pipeline_model_parallel_size=2, micro_batch_size=2,
                                                   use_distributed_optimizer=True, overlap_grad_reduce=True,
                                                   **SMALL_BUCKETS), [0, 4]),
