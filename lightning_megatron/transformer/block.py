@@ -12,7 +12,7 @@ from ..parallel import chunk_position, get_parallel_state
 from ..tensor_parallel import checkpoint, get_rng_tracker
 from .config import TransformerConfig, with_strategy_defaults
 from .documents import DocumentMask
-from .graphable import GraphPiece
+from .graphable import GraphPiece, route_call
 from .layer import TransformerLayer, given
 from .norm import build_norm
 from .stage_layers import build_stage_layers
@@ -85,12 +85,7 @@ class TransformerBlock(nn.Module):
 
     def set_graphed(self, entry: str, fn: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
         """Route the block's layers (``entry="forward"``) to ``fn`` (None: eager again); returns what it replaces."""
-        if entry != "forward":
-            raise ValueError(f"TransformerBlock.set_graphed: {entry!r} is not 'forward'.")
-        previous = self.graphed_calls.pop(entry, None)
-        if fn is not None:
-            self.graphed_calls[entry] = fn
-        return previous
+        return route_call(self.graphed_calls, ("forward",), "TransformerBlock", entry, fn)
 
     def graph_constants(self) -> Dict[str, Hashable]:
         """Every layer's constants (an MoE router's balancing-loss scale), by layer position."""

@@ -23,6 +23,8 @@ protocol lives with the layers (plain torch, no graph machinery) so that ``cuda_
 A container that runs such layers one after another with nothing in between (``TransformerBlock``,
 ``PipelineStack``) says so with ``graphable_layers()``, the layers in the order they run: that is how
 ``cuda_graphs.layer_chunks`` finds them (per-layer graphs chain one layer's output into the next's input).
+A container that speaks the protocol itself (``TransformerBlock``) can be graphed whole, its layers in one graph
+(``cuda_graph_scope="block"``).
 
 Everything else the graphs need (buffers to restore after the capture's warm-up, parameters,
 forward pre-hooks) is read from the pieces' ``modules`` through ``nn.Module``'s public API.
@@ -41,6 +43,18 @@ Outputs = Tuple[torch.Tensor, ...]
 Finish = Callable[[Tuple[Any, ...], Outputs, Any], Any]
 
 PROTOCOL_METHODS = ("graph_pieces", "set_graphed", "graph_constants")
+
+
+def route_call(calls: Dict[str, Callable[..., Any]], allowed: Sequence[str], owner: str, entry: str,
+               fn: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+    """``set_graphed`` as the protocol's layers implement it: ``calls[entry] = fn`` (``fn=None``: the call is
+    eager again), refusing an ``entry`` not in ``allowed``; returns the callable it replaces."""
+    if entry not in allowed:
+        raise ValueError(f"{owner}.set_graphed: {entry!r} is not one of {tuple(allowed)}.")
+    previous = calls.pop(entry, None)
+    if fn is not None:
+        calls[entry] = fn
+    return previous
 
 
 def first_output(args: Tuple[Any, ...], outputs: Outputs, aux: Any) -> torch.Tensor:

@@ -12,7 +12,7 @@ from ..tensor_parallel import init_method_normal
 from .attention import SelfAttention
 from .config import TransformerConfig
 from .documents import DocumentMask
-from .graphable import GraphPiece
+from .graphable import GraphPiece, route_call
 from .mlp import MLP
 from .norm import build_norm
 
@@ -125,12 +125,7 @@ class TransformerLayer(nn.Module):
     # -- the graphable-layer protocol (graphable.py) ---------------------------------------------------
     def set_graphed(self, entry: str, fn: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
         """Route the call ``entry`` to ``fn`` (None: eager again); returns what it replaces."""
-        if entry not in self.GRAPHED_CALLS:
-            raise ValueError(f"TransformerLayer.set_graphed: {entry!r} is not one of {self.GRAPHED_CALLS}.")
-        previous = self.graphed_calls.pop(entry, None)
-        if fn is not None:
-            self.graphed_calls[entry] = fn
-        return previous
+        return route_call(self.graphed_calls, self.GRAPHED_CALLS, "TransformerLayer", entry, fn)
 
     def graph_constants(self) -> Dict[str, Hashable]:
         """The MoE routers' balancing-loss scale: baked into a graph's backward at capture."""
