@@ -140,7 +140,7 @@ class FullCudaGraphWrapper:
                     f"{type(exc).__name__}: {str(exc).rstrip('.')}. A full-iteration graph must not synchronize "
                     f"with the host (.item(), .cpu(), printing tensors, host-tensor copies), nor produce "
                     f"data-dependent shapes (dropless MoE: use pad_to_capacity); or use cuda_graph='partial' "
-                    f"/ None.") from exc
+                    f"/ None.{_legacy_stream_hint(exc)}") from exc
         with torch.no_grad():
             for grad, value in zip(self.static_grads, before):
                 grad.copy_(value)
@@ -162,3 +162,16 @@ class FullCudaGraphWrapper:
                 torch._foreach_zero_(zero)
             if dst:
                 torch._foreach_copy_(dst, src)
+
+
+def _legacy_stream_hint(exc: BaseException) -> str:
+    """What to try when the capture failed because something used the legacy default stream: seen (2 of 3 and 2 of 5
+    runs on an H200) with torch.compile'd BERT layers inside the graph, never with eager layers."""
+    chain: Optional[BaseException] = exc
+    while chain is not None:
+        if "legacy stream" in str(chain) or "StreamCaptureImplicit" in str(chain):
+            return (" The capture touched the legacy default stream, which compiled layers inside a full-iteration "
+                    "graph have done intermittently: with compile_layers=True, try compile_layers='auto' (it "
+                    "leaves the layers eager under cuda_graph='full') or False.")
+        chain = chain.__cause__ or chain.__context__
+    return ""

@@ -100,6 +100,28 @@ def test_full_wrapper_refuses_new_shapes_and_keeps_eager_grad_semantics():
         FullCudaGraphWrapper(step, warmup_steps=0, backend="eager")(xs[0])
 
 
+def test_a_capture_that_touched_the_legacy_stream_names_compiled_layers():
+    """The failure seen with compiled layers inside the whole-step graph gets the fix in its message; other capture
+    failures do not."""
+    lin = torch.nn.Linear(4, 3)
+    calls = []
+
+    def step(x, error):
+        calls.append(1)
+        if len(calls) > 1:   # the capture, after one eager warm-up call
+            raise RuntimeError(error)
+        lin(x).sum().backward()
+
+    for error, hinted in (("CUDA error: operation would make the legacy stream depend on a capturing blocking "
+                           "stream", True), ("CUDA error: operation not permitted when stream is capturing", False)):
+        calls.clear()
+        wrapper = FullCudaGraphWrapper(step, params=lin.parameters(), warmup_steps=1, backend="eager")
+        wrapper(torch.randn(2, 4), error)
+        with pytest.raises(CudaGraphError) as caught:
+            wrapper(torch.randn(2, 4), error)
+        assert ("compile_layers='auto'" in str(caught.value)) == hinted, str(caught.value)
+
+
 # -- the graphable-layer protocol --------------------------------------------------------------------
 class _Residual(torch.nn.Module):
     """A user's own layer, graphed whole through the protocol; ``scale`` is a host value baked into its graph."""
