@@ -76,8 +76,8 @@ DENSE = {
 # numbers are tests/unit/transformer/test_compile.py's)
 TRACED = dict(compile_layers=dict(backend="aot_eager"))
 DENSE.update({f"{name}-compiled": (DENSE[name][0], dict(DENSE[name][1], **TRACED)) for name in (
-    "tp2sp", "cp2", "pp2vpp2", "dp2pp2-distopt-gather", "pp2-partial-graphs", "dp2tp2-full-graph",
-    "tp2sp-commoverlap")})
+    "tp2sp", "cp2", "pp2vpp2", "dp2pp2-distopt-gather", "pp2-partial-graphs", "pp2vpp2-block-graphs",
+    "dp2tp2-full-graph", "tp2sp-commoverlap")})
 
 
 @pytest.fixture(scope="module")
