@@ -238,7 +238,8 @@ class PartialCudaGraphs:
         self.order = order
         # asked every step: only the layers that had constants at the capture (a dense layer's walk over its
         # modules for routers is ~20 us of host time a layer and step)
-        self._constant_layers = [s.entry.graphable for s in self._states() if s.entry.graphable.graph_constants()]
+        layers = dict.fromkeys(s.entry.graphable for s in self._states())   # once each, however many entries
+        self._constant_layers = [layer for layer in layers if layer.graph_constants()]
         self._constants = self._current_constants()
         self.static_buffers = sum(1 for v in buffers.values() for t in v if t is not None)
         self.static_buffer_slots = plan.num_buffers

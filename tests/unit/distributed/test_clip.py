@@ -30,3 +30,24 @@ def test_bf16_gradient_norm_is_exact_and_every_dtype_is_scaled():
     for g0, g1 in zip(before, after):
         assert g1.dtype == g0.dtype
         torch.testing.assert_close(g1, g0 * coefficient.to(g0.dtype), rtol=0, atol=0)
+
+
+def _norms_with_experts():
+    """One process, some parameters experts (their own reduction group, alone here): every one counts."""
+    state = ParallelState(ParallelLayout(1)).activate()
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (64, 9, 33, 5)]
+    for p in params[2:]:
+        p.expert_parallel = True
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    exact = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    norms = {inf: float(global_grad_norm(params, state, norm_type=inf)) for inf in (2.0, float("inf"))}
+    state.destroy()
+    return float(exact), float(max(p.grad.abs().max() for p in params)), norms
+
+
+def test_expert_gradients_count_when_their_group_is_alone():
+    exact, largest, norms = run_on_ranks(_norms_with_experts, 1, timeout=60)[0]
+    assert abs(norms[2.0] - exact) / exact < 1e-6
+    assert norms[float("inf")] == largest
