@@ -245,6 +245,22 @@ MUTATIONS: List[Mutation] = [
     Mutation("block-graph-drops-a-layers-parameters", "lightning_megatron/transformer/block.py",
              "self._layers, self._layers, [self.layers],", "self._layers, self._layers, [self.layers[:-1]],",
              ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_graph_bookkeeping_trains_like_eager_on_cpu",)),
+    # graphs' parameter gradients delivered by hand (cuda_graphs/runner.py): the data-parallel buffers' hooks never
+    # called, a later micro-batch's gradient replacing the earlier ones, tensor hooks run a second time (the old
+    # path through autograd), a parameter two graphed pieces share delivered by each
+    Mutation("graph-grads-skip-post-accumulate-hooks", "lightning_megatron/cuda_graphs/runner.py",
+             "        hooks = param._post_accumulate_grad_hooks\n        if hooks:",
+             "        hooks = param._post_accumulate_grad_hooks\n        if False:",
+             ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them",
+              f"{UPDATES}[dp2-partial-graphs-distopt-gather]")),
+    Mutation("graph-grads-overwrite-accumulated", "lightning_megatron/cuda_graphs/runner.py",
+             "        if param.grad is None:\n            param.grad = grad",
+             "        if True:\n            param.grad = grad",
+             ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_graph_bookkeeping_trains_like_eager_on_cpu",)),
+    Mutation("graph-tensor-hooks-run-twice", "lightning_megatron/cuda_graphs/runner.py",
+             "        if self.grads_by_hand:\n", "        if False:\n", ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them",)),
+    Mutation("graph-shared-params-delivered-by-each", "lightning_megatron/cuda_graphs/partial.py",
+             "                    runner.grads_by_hand = False", "                    pass", ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them",)),
     # the whole-logits fused loss: the per-token output gradient left off the hidden states' gradient
     Mutation("whole-logits-loss-grad-unscaled", "lightning_megatron/tensor_parallel/fused_cross_entropy.py",
              "gemms.grad_hidden(grad_q, weight_q, hidden.dtype).to(torch.float32).mul_(g)",

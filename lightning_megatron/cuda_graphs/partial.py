@@ -54,7 +54,7 @@ from .backend import make_backend
 from .errors import CudaGraphError
 from .plan import max_in_flight, microbatches_per_chunk, num_chunks, order_steps, static_buffer_plan
 from .rng import prepare_tracker, preserved_rng
-from .runner import MicrobatchGraphs, mark_pool_owned
+from .runner import MicrobatchGraphs, mark_pool_owned, shared_params
 from .scopes import Entry, layer_entries, normalize_scope
 from .tree import TensorSpec, first_difference, signature
 
@@ -233,8 +233,18 @@ class PartialCudaGraphs:
                     for s in chunk:
                         runners[(step.chunk, mb, s.position)].weaken(keep_input_grad=s.position == 0)
                     pending = runners[(step.chunk, mb, chunk[0].position)] if chunk else None
+        shared = shared_params([s.entry.piece for s in self._states()])
         for state in self._states():
             state.runners = [runners[(state.chunk, mb, state.position)] for mb in range(num_mb)]
+            if any(id(p) in shared for p in state.entry.piece.params):   # autograd sums them before one hook call
+                if any(runner.tensor_hooks for runner in state.runners):
+                    raise CudaGraphError(
+                        f"{state.entry.piece.name} shares a parameter with another graphed piece and its parameters "
+                        f"have tensor hooks (register_hook): the captured backward runs them and autograd would run "
+                        f"them again. Register the hooks with register_post_accumulate_grad_hook, or set "
+                        f"cuda_graph=None.")
+                for runner in state.runners:
+                    runner.grads_by_hand = False
         self.order = order
         # asked every step: only the layers that had constants at the capture (a dense layer's walk over its
         # modules for routers is ~20 us of host time a layer and step)
@@ -298,6 +308,12 @@ class PartialCudaGraphs:
                 self._warn_once(("shape", state.entry.piece.name),
                                 f"{entry.piece.name}: {first_difference(state.signature, signature(args))}; "
                                 f"running it eagerly (graphs need static shapes)")
+                return entry.eager(*args)
+            if runner.hooks_changed():
+                self._warn_once(("hooks", entry.piece.name),
+                                f"{entry.piece.name}: a tensor hook (register_hook) on one of its parameters was added "
+                                f"or removed after the capture, whose backward graph runs the hooks of then; running "
+                                f"it eagerly (register parameter hooks before the first training step)")
                 return entry.eager(*args)
             outputs = runner.apply(args)
             return entry.finish(args, outputs, runner.aux)

@@ -4,15 +4,27 @@ autograd function that replays them in place of the eager code.
 A forward replay copies the caller's inputs into the static inputs (skipped when the input *is*
 the static input: the previous piece's output in a chain) and replays; the outputs handed back
 are the static outputs. A backward replay copies the incoming gradients into the static gradient
-buffers and replays. Parameter gradients are returned as fresh tensors: autograd would otherwise
-adopt the static buffer as ``param.grad`` and the next replay would overwrite it.
+buffers and replays. Parameter gradients leave as fresh tensors (the next replay overwrites the
+static ones).
+
+Delivered by hand: the autograd function takes one anchor tensor instead of the piece's parameters, and its
+backward accumulates their gradients as ``AccumulateGrad`` would (``.grad`` set or added to, then the
+parameters' post-accumulate hooks, e.g. the data-parallel buffers'). A block of 12 BERT layers has 192
+parameters: as inputs they cost an autograd edge each at every forward and an accumulator node each at every
+backward, ~1 ms of host time a step where the GPU needs ~4 (benchmarks/RESULTS.md). A parameter shared with
+another graphed piece goes through autograd (``shared_params``: autograd sums its gradients before one hook
+call); one used both inside a graph and by eager code gets its post-accumulate hooks called once for each.
+
+Tensor hooks on parameters (``param.register_hook``) run inside the captured backward (``autograd.grad`` applies
+them), so they are in the graph as they were at the capture and must not run again at delivery; a step where they
+changed runs the piece eagerly (``hooks_changed``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -61,6 +73,12 @@ class MicrobatchGraphs:
         self.static_grad_inputs: List[Optional[torch.Tensor]] = []   # grad-requiring inputs, then params
         self.grad_input_positions: List[int] = [
             i for i, t in enumerate(self.static_inputs) if t is not None and t.requires_grad]
+        # parameter gradients delivered by hand (see the module); False: through autograd (set by the capture for
+        # parameters another graphed piece shares)
+        self.grads_by_hand = bool(self.params)
+        self._anchor: Optional[torch.Tensor] = None
+        self._relayout: List[int] = []            # parameter gradients whose static strides differ from the param's
+        self.tensor_hooks: Dict[int, Tuple[Any, ...]] = {}   # per parameter index, the tensor hooks the graph ran
 
     # -- capture -------------------------------------------------------------------------------
     def capture_forward(self) -> Outputs:
@@ -94,7 +112,11 @@ class MicrobatchGraphs:
                 return tuple(None for _ in targets)
             return torch.autograd.grad(outs, targets, grads, allow_unused=True)
 
+        self.tensor_hooks = _tensor_hooks(self.params)   # the capture's autograd.grad runs them (see the module)
         self.static_grad_inputs = list(self._capture(self.bwd, body, "backward"))
+        n = len(self.grad_input_positions)
+        self._relayout = [i for i, (p, g) in enumerate(zip(self.params, self.static_grad_inputs[n:]))
+                          if g is not None and g.stride() != p.stride()]
 
     def _capture(self, graph: Any, body: Callable[[], Any], phase: str) -> Any:
         try:
@@ -159,16 +181,32 @@ class MicrobatchGraphs:
         n = len(self.grad_input_positions)
         input_grads = [None if g is None else g.detach() for g in self.static_grad_inputs[:n]]
         param_grads = list(self.static_grad_inputs[n:])
-        present = [i for i, g in enumerate(param_grads) if g is not None]
-        if present:   # one multi-tensor kernel: fresh tensors autograd may adopt as .grad
+        present = [i for i, g in enumerate(param_grads) if g is not None and i not in self._relayout]
+        if present:   # one multi-tensor kernel: fresh tensors that may become .grad
             fresh = torch._foreach_mul([_present(param_grads[i]) for i in present], 1.0)
             for i, g in zip(present, fresh):
                 param_grads[i] = g
+        for i in self._relayout:   # in the parameter's layout, as AccumulateGrad would make it
+            param_grads[i] = torch.empty_like(self.params[i]).copy_(_present(param_grads[i]))
         return input_grads, param_grads
+
+    def hooks_changed(self) -> bool:
+        """Whether the parameters' tensor hooks differ from those the captured backward ran."""
+        if not self.tensor_hooks:   # none at the capture: the common case, one attribute read a parameter
+            return any(p._backward_hooks for p in self.params)
+        return _tensor_hooks(self.params) != self.tensor_hooks
 
     def apply(self, inputs: Sequence[Optional[torch.Tensor]]) -> Outputs:
         """Replay through autograd: gradients flow to the inputs and parameters as in eager mode."""
-        return _Replay.apply(self, len(inputs), *inputs, *self.params)
+        if self.grads_by_hand:
+            if self._anchor is None:
+                self._anchor = torch.empty(0, device=self.params[0].device, requires_grad=True)
+            return _Replay.apply(self, len(inputs), True, *inputs, self._anchor)
+        return _Replay.apply(self, len(inputs), False, *inputs, *self.params)
+
+
+def _tensor_hooks(params: Sequence[nn.Parameter]) -> Dict[int, Tuple[Any, ...]]:
+    return {i: tuple(p._backward_hooks.values()) for i, p in enumerate(params) if p._backward_hooks}
 
 
 def _present(tensor: Optional[torch.Tensor]) -> torch.Tensor:
@@ -184,10 +222,46 @@ def mark_pool_owned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def shared_params(pieces: Sequence[Piece]) -> Set[int]:
+    """The ids of the parameters more than one of ``pieces`` uses (their gradients go through autograd)."""
+    seen: Set[int] = set()
+    shared: Set[int] = set()
+    for piece in pieces:
+        for param in piece.params:
+            (shared if id(param) in seen else seen).add(id(param))
+    return shared
+
+
+def accumulate_param_grads(params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """What ``AccumulateGrad`` does for each parameter given a fresh gradient: ``.grad`` becomes it (or has it
+    added, one multi-tensor kernel for all), then the parameter's post-accumulate hooks run. Parameters frozen
+    since the capture are left alone."""
+    targets: List[torch.Tensor] = []
+    added: List[torch.Tensor] = []
+    delivered: List[nn.Parameter] = []
+    for param, grad in zip(params, grads):
+        if grad is None or not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = grad
+        else:
+            targets.append(param.grad)
+            added.append(grad)
+        delivered.append(param)
+    if targets:
+        torch._foreach_add_(targets, added)
+    for param in delivered:
+        hooks = param._post_accumulate_grad_hooks
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(param)
+
+
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner: MicrobatchGraphs, num_inputs: int, *tensors: Optional[torch.Tensor]) -> Outputs:
-        ctx.runner, ctx.num_inputs = runner, num_inputs
+    def forward(ctx, runner: MicrobatchGraphs, num_inputs: int, by_hand: bool,
+                *tensors: Optional[torch.Tensor]) -> Outputs:
+        ctx.runner, ctx.num_inputs, ctx.by_hand = runner, num_inputs, by_hand
         outputs = runner.replay_forward(tensors[:num_inputs])
         returned = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(returned) if i not in runner.differentiable])
@@ -201,4 +275,7 @@ class _Replay(torch.autograd.Function):
         per_input: List[Optional[torch.Tensor]] = [None] * ctx.num_inputs
         for position, grad in zip(runner.grad_input_positions, input_grads):
             per_input[position] = grad
-        return (None, None, *per_input, *param_grads)
+        if ctx.by_hand:
+            accumulate_param_grads(runner.params, param_grads)
+            return (None, None, None, *per_input, None)
+        return (None, None, None, *per_input, *param_grads)

@@ -163,7 +163,8 @@ def _steps(graphs, layers, ref, xs, steps):
                     h = layer(h)
                 h.square().mean().backward()
         for a, b in zip(layers, ref):
-            torch.testing.assert_close(a.linear.weight.grad, b.linear.weight.grad, rtol=1e-6, atol=1e-6)
+            for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -195,6 +196,42 @@ def test_a_users_layer_implementing_the_protocol_is_graphed_and_trains_like_eage
     assert graphs.mode == "eager"
     graphs.remove()
     assert all(layer.graphed is None for layer in layers)
+
+
+def test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them():
+    """The replays deliver parameter gradients by hand (runner.py): each parameter's post-accumulate hooks once a
+    backward; parameters shared by two graphed layers go through autograd (summed before one hook call); a tensor
+    hook present at the capture runs once (inside the graph), one added later makes its layer run eagerly."""
+    import copy
+
+    calls = {}
+
+    def count(stack):
+        def hook(param):
+            calls[(id(stack), id(param))] = calls.get((id(stack), id(param)), 0) + 1
+        for layer in stack:
+            for param in layer.parameters():
+                if not param._post_accumulate_grad_hooks:
+                    param.register_post_accumulate_grad_hook(hook)
+
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    layers = [_Residual(8) for _ in range(3)]
+    layers[2].linear = layers[1].linear                   # shared by two graphed layers
+    ref = copy.deepcopy(layers)
+    for stack in (layers, ref):                           # present at the capture: inside the graph, run once
+        stack[0].linear.weight.register_hook(lambda g: 2 * g)
+        count(stack)
+    graphs = PartialCudaGraphs([layers], warmup_steps=1, backend="eager")
+    _steps(graphs, layers, ref, xs, steps=3)                 # warm-up, capture, replays; gradients as eager's
+    assert graphs.mode == "replay"
+    assert [s.runners[0].grads_by_hand for s in graphs.chunks[0]] == [True, False, False]
+    assert sorted(calls.values()) == [6] * 8                 # 4 parameters a stack, 3 steps x 2 micro-batches
+    for stack in (layers, ref):                              # added after the capture: that layer runs eagerly
+        stack[1].linear.bias.register_hook(lambda g: 3 * g)
+    with pytest.warns(UserWarning, match=r"layer 1 \(residual\): a tensor hook .* added or removed after the capture"):
+        _steps(graphs, layers, ref, xs, steps=2)
+    graphs.remove()
 
 
 def test_layer_chunks_finds_a_users_container_by_graphable_layers():
