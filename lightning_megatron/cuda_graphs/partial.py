@@ -27,7 +27,9 @@ breaks the graphs); forward pre-hooks of graphed submodules are called by hand a
 empty inputs (for parameter gathers); a graph's outputs are valid until the micro-batch's backward
 (do not keep layer outputs across steps); ``recompute_layers`` is refused; MoE routers' balancing
 loss scale and ``aux_losses`` come from the capture (a changed ``graph_constants()`` value, such
-as that scale, makes steps run eagerly).
+as that scale, makes steps run eagerly); parameters' tensor hooks run inside the backward graph as they
+were at the capture (a piece whose hooks changed runs eagerly); parameter gradients are delivered by the
+replays themselves (``runner.py``), not by autograd's accumulators.
 
 Usage (what the strategy does)::
 
