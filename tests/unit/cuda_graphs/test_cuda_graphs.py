@@ -198,12 +198,13 @@ def test_a_users_layer_implementing_the_protocol_is_graphed_and_trains_like_eage
     assert all(layer.graphed is None for layer in layers)
 
 
-def test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them():
+def _hooks_and_grads(backend):
     """The replays deliver parameter gradients by hand (runner.py): each parameter's post-accumulate hooks once a
     backward; parameters shared by two graphed layers go through autograd (summed before one hook call); a tensor
     hook present at the capture runs once (inside the graph), one added later makes its layer run eagerly."""
     import copy
 
+    device = "cuda" if backend == "cuda" else "cpu"
     calls = {}
 
     def count(stack):
@@ -215,14 +216,14 @@ def test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them():
                     param.register_post_accumulate_grad_hook(hook)
 
     torch.manual_seed(0)
-    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
-    layers = [_Residual(8) for _ in range(3)]
+    xs = [torch.randn(4, 8, device=device, requires_grad=True) for _ in range(2)]
+    layers = [_Residual(8).to(device) for _ in range(3)]
     layers[2].linear = layers[1].linear                   # shared by two graphed layers
     ref = copy.deepcopy(layers)
     for stack in (layers, ref):                           # present at the capture: inside the graph, run once
         stack[0].linear.weight.register_hook(lambda g: 2 * g)
         count(stack)
-    graphs = PartialCudaGraphs([layers], warmup_steps=1, backend="eager")
+    graphs = PartialCudaGraphs([layers], warmup_steps=1, backend=backend)
     _steps(graphs, layers, ref, xs, steps=3)                 # warm-up, capture, replays; gradients as eager's
     assert graphs.mode == "replay"
     assert [s.runners[0].grads_by_hand for s in graphs.chunks[0]] == [True, False, False]
@@ -232,6 +233,17 @@ def test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them():
     with pytest.warns(UserWarning, match=r"layer 1 \(residual\): a tensor hook .* added or removed after the capture"):
         _steps(graphs, layers, ref, xs, steps=2)
     graphs.remove()
+    return True
+
+
+def test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them():
+    assert _hooks_and_grads("eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them():
+    assert _hooks_and_grads("cuda")
 
 
 def test_layer_chunks_finds_a_users_container_by_graphable_layers():
