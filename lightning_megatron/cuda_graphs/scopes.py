@@ -94,7 +94,7 @@ def layer_entries(layer: nn.Module, index: int, scope: FrozenSet[str]) -> List[E
                                  "do; set TransformerConfig(recompute_layers=False) with partial CUDA graphs (the "
                                  "graphs' shared pool already bounds activation memory by the micro-batches in "
                                  "flight).")
-        label = "block" if callable(getattr(layer, "graphable_layers", None)) else f"layer {index}"   # "block" scope
+        label = piece.owner or f"layer {index}"
         name = f"{label} {piece.name}" if piece.name else label
         first, last = piece.segments
         entries.append(Entry(layer, piece.entry, piece.arg_names, _piece(name, piece.fn, layer, piece.modules),

@@ -81,7 +81,8 @@ class TransformerBlock(nn.Module):
         if scope != {"block"} or not len(self.layers):   # an empty chunk (uneven layouts) has nothing to graph
             return []
         return [GraphPiece("forward", self._layers, self._layers, [self.layers], arg_names=("hidden", "attention_mask"),
-                           sequence_parallel=self.config.sequence_parallel, recomputed=self.config.recompute_layers)]
+                           sequence_parallel=self.config.sequence_parallel, recomputed=self.config.recompute_layers,
+                           owner="block")]
 
     def set_graphed(self, entry: str, fn: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
         """Route the block's layers (``entry="forward"``) to ``fn`` (None: eager again); returns what it replaces."""

@@ -76,6 +76,8 @@ class GraphPiece:
     - ``arg_names``: the call's graphed arguments in order (keywords are bound to them); ``None``:
       positional tensors only. The graphs are captured for these arguments and nothing else.
     - ``name``: appended to ``"layer {index}"`` in messages and ``stats()``.
+    - ``owner``: what messages and ``stats()`` call the graphed module instead of ``"layer {index}"`` (a
+      container graphed whole says ``"block"``).
     - ``finish(args, outputs, aux)``: eager code turning the graph's outputs into the call's result.
     - ``segments``: the ``(first, last)`` half of the layer the piece covers, 0 = attention side,
       1 = MLP side; a piece starting right after the previous one ended can take its output without a copy.
@@ -98,6 +100,7 @@ class GraphPiece:
     ends_cleanly: bool = True
     sequence_parallel: bool = False
     recomputed: bool = False
+    owner: Optional[str] = None
 
     def __post_init__(self) -> None:
         first, last = self.segments
