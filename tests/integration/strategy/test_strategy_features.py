@@ -65,7 +65,11 @@ def test_sanity_check_and_validation_run_under_pipeline():
 
 
 @pytest.mark.parametrize("world, kwargs", [(2, dict(pipeline_model_parallel_size=2, micro_batch_size=1)),
-                                           (2, dict())])
+                                           (2, dict()),
+                                           # graphed layers add into the gradients the batch before left
+                                           (2, dict(micro_batch_size=1, cuda_graph="partial",
+                                                    cuda_graph_scope="block", cuda_graph_backend="eager"))],
+                         ids=["pp2", "dp2", "dp2-block-graphs"])
 def test_gradient_accumulation_across_batches(world, kwargs):
     trainer_kwargs = dict(accumulate_grad_batches=2)
     ref = run_on_ranks(fit_tiny_gpt, 1, dict(), global_batch_size=4, trainer_kwargs=trainer_kwargs,
