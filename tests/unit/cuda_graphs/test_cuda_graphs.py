@@ -246,6 +246,21 @@ def test_gpu_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them
     assert _hooks_and_grads("cuda")
 
 
+def test_a_shared_parameter_with_a_tensor_hook_is_refused_at_the_capture():
+    """Autograd delivers a parameter two graphed pieces share (one hook call for the sum), and would run its tensor
+    hook a second time after the captured backward ran it: refused, naming the fix."""
+    layers = [_Residual(8) for _ in range(2)]
+    layers[1].linear = layers[0].linear
+    layers[0].linear.weight.register_hook(lambda g: 2 * g)
+    graphs = PartialCudaGraphs([layers], warmup_steps=1, backend="eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    graphs.begin_step(schedule_order(1, 1, 0))
+    layers[1](layers[0](x)).sum().backward()
+    with pytest.raises(CudaGraphError, match=r"layer 0 \(residual\) shares a parameter with another graphed piece "
+                                             r"and its parameters have tensor hooks .*register_post_accumulate_grad_hook"):
+        graphs.begin_step(schedule_order(1, 1, 0))
+
+
 def test_layer_chunks_finds_a_users_container_by_graphable_layers():
     class Stack(torch.nn.Module):   # a user's own container: the method is all layer_chunks reads
         def __init__(self):
