@@ -4,8 +4,8 @@ autograd function that replays them in place of the eager code.
 A forward replay copies the caller's inputs into the static inputs (skipped when the input *is*
 the static input: the previous piece's output in a chain) and replays; the outputs handed back
 are the static outputs. A backward replay copies the incoming gradients into the static gradient
-buffers and replays. Parameter gradients leave as fresh tensors (the next replay overwrites the
-static ones).
+buffers and replays. The parameters' static gradients are added into an existing ``.grad`` as they are, and
+copied into a new one (the next replay overwrites them).
 
 Delivered by hand: the autograd function takes one anchor tensor instead of the piece's parameters, and its
 backward accumulates their gradients as ``AccumulateGrad`` would (``.grad`` set or added to, then the
@@ -180,15 +180,23 @@ class MicrobatchGraphs:
         self.backend.replay(self.bwd)
         n = len(self.grad_input_positions)
         input_grads = [None if g is None else g.detach() for g in self.static_grad_inputs[:n]]
-        param_grads = list(self.static_grad_inputs[n:])
-        present = [i for i, g in enumerate(param_grads) if g is not None and i not in self._relayout]
-        if present:   # one multi-tensor kernel: fresh tensors that may become .grad
-            fresh = torch._foreach_mul([_present(param_grads[i]) for i in present], 1.0)
-            for i, g in zip(present, fresh):
-                param_grads[i] = g
-        for i in self._relayout:   # in the parameter's layout, as AccumulateGrad would make it
-            param_grads[i] = torch.empty_like(self.params[i]).copy_(_present(param_grads[i]))
-        return input_grads, param_grads
+        return input_grads, list(self.static_grad_inputs[n:])   # the parameters': static, see fresh_copies
+
+    def fresh_copies(self, static: Sequence[Optional[torch.Tensor]],
+                     which: Optional[Sequence[int]] = None) -> List[Optional[torch.Tensor]]:
+        """Copies of the parameters' static gradients (all, or those at ``which``) that may become ``.grad`` (the next
+        replay overwrites the static ones): one multi-tensor kernel, in the parameter's layout where the static
+        gradient's differs, as ``AccumulateGrad`` would make it."""
+        out = list(static)
+        wanted = range(len(out)) if which is None else which
+        plain = [i for i in wanted if out[i] is not None and i not in self._relayout]
+        if plain:
+            for i, g in zip(plain, torch._foreach_mul([_present(out[i]) for i in plain], 1.0)):
+                out[i] = g
+        for i in self._relayout:
+            if i in wanted:
+                out[i] = torch.empty_like(self.params[i]).copy_(_present(out[i]))
+        return out
 
     def hooks_changed(self) -> bool:
         """Whether the parameters' tensor hooks differ from those the captured backward ran."""
@@ -232,24 +240,31 @@ def shared_params(pieces: Sequence[Piece]) -> Set[int]:
     return shared
 
 
-def accumulate_param_grads(params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """What ``AccumulateGrad`` does for each parameter given a fresh gradient: ``.grad`` becomes it (or has it
-    added, one multi-tensor kernel for all), then the parameter's post-accumulate hooks run. Parameters frozen
-    since the capture are left alone."""
+def accumulate_param_grads(runner: MicrobatchGraphs, static: Sequence[Optional[torch.Tensor]]) -> None:
+    """What ``AccumulateGrad`` does for each of ``runner``'s parameters, given the backward graph's ``static``
+    gradients: added straight into an existing ``.grad`` (one multi-tensor kernel for all), copied into a new one
+    (``fresh_copies``); then the parameter's post-accumulate hooks run. Parameters frozen since the capture are left
+    alone."""
+    params = runner.params
     targets: List[torch.Tensor] = []
     added: List[torch.Tensor] = []
+    new: List[int] = []
     delivered: List[nn.Parameter] = []
-    for param, grad in zip(params, grads):
+    for i, (param, grad) in enumerate(zip(params, static)):
         if grad is None or not param.requires_grad:
             continue
         if param.grad is None:
-            param.grad = grad
+            new.append(i)
         else:
             targets.append(param.grad)
             added.append(grad)
         delivered.append(param)
-    if targets:
+    if targets:   # before any later replay reuses the static memory: same stream, enqueued first
         torch._foreach_add_(targets, added)
+    if new:
+        fresh = runner.fresh_copies(static, new)
+        for i in new:
+            params[i].grad = fresh[i]
     for param in delivered:
         hooks = param._post_accumulate_grad_hooks
         if hooks:
@@ -271,11 +286,11 @@ class _Replay(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         runner: MicrobatchGraphs = ctx.runner
-        input_grads, param_grads = runner.replay_backward(grads)
+        input_grads, static = runner.replay_backward(grads)
         per_input: List[Optional[torch.Tensor]] = [None] * ctx.num_inputs
         for position, grad in zip(runner.grad_input_positions, input_grads):
             per_input[position] = grad
         if ctx.by_hand:
-            accumulate_param_grads(runner.params, param_grads)
+            accumulate_param_grads(runner, static)
             return (None, None, None, *per_input, None)
-        return (None, None, None, *per_input, *param_grads)
+        return (None, None, None, *per_input, *runner.fresh_copies(static))
