@@ -249,8 +249,8 @@ MUTATIONS: List[Mutation] = [
     # called, a later micro-batch's gradient replacing the earlier ones, tensor hooks run a second time (the old
     # path through autograd), a parameter two graphed pieces share delivered by each
     Mutation("graph-grads-skip-post-accumulate-hooks", "lightning_megatron/cuda_graphs/runner.py",
-             "        hooks = param._post_accumulate_grad_hooks\n        if hooks:",
-             "        hooks = param._post_accumulate_grad_hooks\n        if False:",
+             "    for param in delivered:\n        run_post_accumulate_grad_hooks(param)",
+             "    for param in delivered:\n        pass",
              ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_parameter_gradients_reach_hooks_and_grads_as_autograd_delivers_them",
               f"{UPDATES}[dp2-partial-graphs-distopt-gather]")),
     Mutation("graph-grads-overwrite-accumulated", "lightning_megatron/cuda_graphs/runner.py",

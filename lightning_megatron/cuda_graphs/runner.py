@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..tensor_parallel.grad_accumulation import run_post_accumulate_grad_hooks
 from .errors import CudaGraphError
 
 Outputs = Tuple[torch.Tensor, ...]
@@ -266,10 +267,7 @@ def accumulate_param_grads(runner: MicrobatchGraphs, static: Sequence[Optional[t
         for i in new:
             params[i].grad = fresh[i]
     for param in delivered:
-        hooks = param._post_accumulate_grad_hooks
-        if hooks:
-            for hook in list(hooks.values()):
-                hook(param)
+        run_post_accumulate_grad_hooks(param)
 
 
 class _Replay(torch.autograd.Function):

@@ -45,6 +45,12 @@ def accumulate_weight_grad(param: torch.Tensor, inp: torch.Tensor, grad_output: 
             target.add_(g.t().mm(x))
     if main is not None:
         param.grad_added_to_main_grad = True  # type: ignore[attr-defined]  # runtime attribute
+    run_post_accumulate_grad_hooks(param)
+
+
+def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """``param``'s post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: e.g. the data-parallel
+    buffers'), as ``AccumulateGrad`` calls them, for code that accumulates a gradient outside autograd."""
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     for hook in list(hooks.values()) if hooks else []:
         hook(param)
