@@ -28,7 +28,7 @@ empty inputs (for parameter gathers); a graph's outputs are valid until the micr
 (do not keep layer outputs across steps); ``recompute_layers`` is refused; MoE routers' balancing
 loss scale and ``aux_losses`` come from the capture (a changed ``graph_constants()`` value, such
 as that scale, makes steps run eagerly); parameters' tensor hooks run inside the backward graph as they
-were at the capture (a piece whose hooks changed runs eagerly); parameter gradients are delivered by the
+were at the capture (a step where they changed runs eagerly, checked once a step); parameter gradients are delivered by the
 replays themselves (``runner.py``), not by autograd's accumulators.
 
 Usage (what the strategy does)::
@@ -147,6 +147,10 @@ class PartialCudaGraphs:
             elif self._current_constants() != self._constants:
                 reason = ("a constant baked into the graphs changed (MoE aux_loss_scale); this step runs eagerly. "
                           "Keep the micro-batch count fixed")
+            elif any(s.runners[0].hooks_changed() for s in self._states() if s.runners):
+                reason = ("a tensor hook (register_hook) on a graphed parameter was added or removed after the "
+                          "capture, whose backward graphs run the hooks of then; this step runs eagerly. Register "
+                          "parameter hooks before the first training step")
             self.mode = "replay" if reason is None else "eager"
             if reason is not None:
                 self._warn_once(reason, reason)
@@ -310,12 +314,6 @@ class PartialCudaGraphs:
                 self._warn_once(("shape", state.entry.piece.name),
                                 f"{entry.piece.name}: {first_difference(state.signature, signature(args))}; "
                                 f"running it eagerly (graphs need static shapes)")
-                return entry.eager(*args)
-            if runner.hooks_changed():
-                self._warn_once(("hooks", entry.piece.name),
-                                f"{entry.piece.name}: a tensor hook (register_hook) on one of its parameters was added "
-                                f"or removed after the capture, whose backward graph runs the hooks of then; running "
-                                f"it eagerly (register parameter hooks before the first training step)")
                 return entry.eager(*args)
             outputs = runner.apply(args)
             return entry.finish(args, outputs, runner.aux)

@@ -17,7 +17,7 @@ call); one used both inside a graph and by eager code gets its post-accumulate h
 
 Tensor hooks on parameters (``param.register_hook``) run inside the captured backward (``autograd.grad`` applies
 them), so they are in the graph as they were at the capture and must not run again at delivery; a step where they
-changed runs the piece eagerly (``hooks_changed``).
+changed runs eagerly (``hooks_changed``, asked by ``PartialCudaGraphs.begin_step``).
 """
 
 from __future__ import annotations

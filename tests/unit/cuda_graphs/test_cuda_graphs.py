@@ -201,7 +201,7 @@ def test_a_users_layer_implementing_the_protocol_is_graphed_and_trains_like_eage
 def _hooks_and_grads(backend):
     """The replays deliver parameter gradients by hand (runner.py): each parameter's post-accumulate hooks once a
     backward; parameters shared by two graphed layers go through autograd (summed before one hook call); a tensor
-    hook present at the capture runs once (inside the graph), one added later makes its layer run eagerly."""
+    hook present at the capture runs once (inside the graph), one added later makes the steps run eagerly."""
     import copy
 
     device = "cuda" if backend == "cuda" else "cpu"
@@ -228,10 +228,12 @@ def _hooks_and_grads(backend):
     assert graphs.mode == "replay"
     assert [s.runners[0].grads_by_hand for s in graphs.chunks[0]] == [True, False, False]
     assert sorted(calls.values()) == [6] * 8                 # 4 parameters a stack, 3 steps x 2 micro-batches
-    for stack in (layers, ref):                              # added after the capture: that layer runs eagerly
+    for stack in (layers, ref):                              # added after the capture: the steps run eagerly
         stack[1].linear.bias.register_hook(lambda g: 3 * g)
-    with pytest.warns(UserWarning, match=r"layer 1 \(residual\): a tensor hook .* added or removed after the capture"):
+    with pytest.warns(UserWarning, match=r"a tensor hook \(register_hook\) on a graphed parameter was added or "
+                                         r"removed after the capture"):
         _steps(graphs, layers, ref, xs, steps=2)
+    assert graphs.mode == "eager"
     graphs.remove()
     return True
 
