@@ -257,6 +257,10 @@ MUTATIONS: List[Mutation] = [
              "        if param.grad is None:\n            new.append(i)",
              "        if True:\n            new.append(i)",
              ("tests/unit/cuda_graphs/test_cuda_graphs.py::test_graph_bookkeeping_trains_like_eager_on_cpu",)),
+    # the capture's warm-up draws dropout masks from the live generators: the replays' masks drift from eager's
+    Mutation("graph-capture-consumes-dropout-rng", "lightning_megatron/cuda_graphs/partial.py",
+             "with preserved_rng(self.rng_tracker), _preserved_buffers(modules)", "with _preserved_buffers(modules)",
+             (f"{STRATEGY}/test_strategy_features.py::test_partial_graphs_with_dropout_train_like_eager_through_the_trainer",)),
     Mutation("graph-hooks-change-unnoticed", "lightning_megatron/cuda_graphs/partial.py",
              "            elif any(s.runners[0].hooks_changed() for s in self._states() if s.runners):",
              "            elif False:",

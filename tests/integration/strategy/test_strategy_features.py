@@ -12,7 +12,8 @@ import torch
 import lightning_megatron
 from lightning_megatron import MegatronStrategy
 from lightning_megatron.testing import run_on_ranks
-from helpers.strategy_utils import AdamGPT, TinyGPT, TokenData, fit_tiny_gpt, validate_tiny_gpt
+from helpers.strategy_utils import (AdamGPT, TinyGPT, TokenData, assert_same_updates, fit_and_record, fit_tiny_gpt,
+                                    validate_tiny_gpt)
 from torch.utils.data import DataLoader
 
 
@@ -500,3 +501,16 @@ def test_a_last_training_batch_that_micro_batches_cannot_split_is_announced_at_s
     warned = run_on_ranks(_ragged_warnings, world, kwargs, 29, timeout=120)[0]
     assert len(warned) == 1 and "holds 5 samples" in warned[0] and "micro_batch_size=2" in warned[0], warned
     assert run_on_ranks(_ragged_warnings, world, kwargs, 30, timeout=120)[0] == []   # a last batch of 6 splits
+
+
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_partial_graphs_with_dropout_train_like_eager_through_the_trainer(scope):
+    """Dropout's masks inside partial graphs (the capture's warm-up and replays drawing from the strategy's RNG
+    tracker) are eager training's: the same updates at one process, several micro-batches a step."""
+    module_kwargs = dict(dropout=0.1)
+    eager = run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2), module_kwargs, max_steps=4, timeout=120)[0]
+    graphed = run_on_ranks(fit_and_record, 1, dict(micro_batch_size=2, cuda_graph="partial", cuda_graph_scope=scope,
+                                                   cuda_graph_backend="eager"), module_kwargs, max_steps=4,
+                           timeout=120)[0]
+    assert_same_updates(graphed["params"], eager["params"])
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-6)
