@@ -4,7 +4,8 @@
   ``compile_layers=False`` / ``True``; ``ours-overlap`` / ``ours-compiled-overlap`` with ``tp_comm_overlap=True``
   too (``--tp`` >= 2); ``ours-fp8`` / ``ours-compiled-fp8`` with ``fp8="tensorwise"`` (torchao's float8 linears;
   emulated on the CPU), ``ours-compiled-fp8-out`` with the output layer in float8 too
-  (``Float8Config(output_layer=True)``); ``ours-compiled-nogaf`` with ``gradient_accumulation_fusion=False`` (the default,
+  (``Float8Config(output_layer=True)``), ``ours-compiled-fp8-recast`` with each weight recast in every call
+  (``Float8Config(cache_weights=False)``; the default casts once per step); ``ours-compiled-nogaf`` with ``gradient_accumulation_fusion=False`` (the default,
   ``"auto"``, fuses in compiled layers; ``ours-compiled-gaf``, ``True``, is the same there);
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
@@ -227,10 +228,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         from lightning_megatron import MegatronStrategy
 
         fp8 = None
-        if name.endswith("fp8") or name.endswith("fp8-out"):
+        if name.endswith(("fp8", "fp8-out", "fp8-recast")):
             from lightning_megatron.quantization.float8 import Float8Config
 
-            fp8 = Float8Config("tensorwise", emulate=not cuda, output_layer=name.endswith("fp8-out"))
+            fp8 = Float8Config("tensorwise", emulate=not cuda, output_layer=name.endswith("fp8-out"),
+                               cache_weights=False if name.endswith("recast") else None)
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
                                     tp_comm_overlap=name.endswith("overlap"), fp8=fp8,
                                     micro_batch_size=args.micro_batch, compile_layers=compiled,

@@ -261,6 +261,13 @@ MUTATIONS: List[Mutation] = [
     Mutation("graph-capture-consumes-dropout-rng", "lightning_megatron/cuda_graphs/partial.py",
              "with preserved_rng(self.rng_tracker), _preserved_buffers(modules)", "with _preserved_buffers(modules)",
              (f"{STRATEGY}/test_strategy_features.py::test_partial_graphs_with_dropout_train_like_eager_through_the_trainer",)),
+    # float8 weights cast once per schedule: a cast kept past the weights' change, or used outside its schedule
+    Mutation("float8-weight-cast-stale", "lightning_megatron/quantization/float8_weights.py",
+             "        weight = self.weight.detach()\n", "        weight = self.weight.detach()\n        if self.data is not None:\n            return\n",
+             ("tests/unit/quantization/test_fp8_weight_casts.py::test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does",)),
+    Mutation("float8-weight-cast-armed-forever", "lightning_megatron/quantization/float8_weights.py",
+             "            cast.armed = False\n", "            pass\n",
+             ("tests/unit/quantization/test_fp8_weight_casts.py::test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does",)),
     Mutation("graph-hooks-change-unnoticed", "lightning_megatron/cuda_graphs/partial.py",
              "            elif any(s.runners[0].hooks_changed() for s in self._states() if s.runners):",
              "            elif False:",

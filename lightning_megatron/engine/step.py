@@ -40,6 +40,7 @@ from ..parallel.heartbeat import HEARTBEAT
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
+from ..quantization.float8_weights import armed_weight_casts, float8_weight_casts
 from .logs import (LogError, Logged, broadcast_from_last_stage, check_logged, combine_microbatches, combine_over,
                    raise_log_error)
 
@@ -171,6 +172,7 @@ class StepEngine:
         self.roots = pipeline_roots(module)
         self.stage_dtype = activation_dtype(module)
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]   # found once, set every step
+        self.weight_casts = float8_weight_casts(module)   # float8 weights cast once per schedule, not per micro-batch
         self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
@@ -298,26 +300,28 @@ class StepEngine:
             # user's per-rank mean losses one mean; the balancing losses are partial sums over the cp
             # ranks' shares of each sequence, so their gradients are multiplied back by cp.
             set_aux_loss_scale(self.routers, aux_loss_scale * state.cp_size / len(microbatches))
-        if self.partial_graphs is not None and not forward_only:
-            # per-layer graphs replay in exactly the order this schedule runs the layers
-            self.partial_graphs.begin_step(_schedule_order(len(microbatches), state.pp_size, state.pp_rank,
-                                                           self.chunks, self.group_size))
-        if known is not None:   # learned for these micro-batch shapes: no headers, no host sync
-            shape_args: Dict[str, Any] = {"tensor_shape": known, "variable_seq_lengths": False}
-        else:   # sent ahead (any length)
-            shape_args = {"variable_seq_lengths": True}
-        try:
-            forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
-                             dtype=self.stage_dtype, forward_only=forward_only, no_sync=no_sync,
-                             num_tokens=1 if self.per_token else None,   # per-token sums: nothing divided
-                             microbatch_group_size_per_vp_stage=self.group_size,
-                             pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device,
-                             schedule=self.pipeline_schedule, **shape_args)
-        finally:   # no received activation (nor its gradient) may outlive the step, in any virtual chunk
-            for chunk in range(self.chunks):
-                with state.running_chunk(chunk) if self.chunks > 1 else contextlib.nullcontext():
-                    for root in roots:
-                        root.set_input_tensor(None)
+        # the float8 weights, cast once for all the micro-batches (inside a full-step graph: captured with them)
+        with armed_weight_casts(self.weight_casts):
+            if self.partial_graphs is not None and not forward_only:
+                # per-layer graphs replay in exactly the order this schedule runs the layers
+                self.partial_graphs.begin_step(_schedule_order(len(microbatches), state.pp_size, state.pp_rank,
+                                                               self.chunks, self.group_size))
+            if known is not None:   # learned for these micro-batch shapes: no headers, no host sync
+                shape_args: Dict[str, Any] = {"tensor_shape": known, "variable_seq_lengths": False}
+            else:   # sent ahead (any length)
+                shape_args = {"variable_seq_lengths": True}
+            try:
+                forward_backward(step, microbatches, [module] * self.chunks, num_microbatches=len(microbatches),
+                                 dtype=self.stage_dtype, forward_only=forward_only, no_sync=no_sync,
+                                 num_tokens=1 if self.per_token else None,   # per-token sums: nothing divided
+                                 microbatch_group_size_per_vp_stage=self.group_size,
+                                 pp_group=state.pp_group if state.pp_size > 1 else None, device=self.device,
+                                 schedule=self.pipeline_schedule, **shape_args)
+            finally:   # no received activation (nor its gradient) may outlive the step, in any virtual chunk
+                for chunk in range(self.chunks):
+                    with state.running_chunk(chunk) if self.chunks > 1 else contextlib.nullcontext():
+                        for root in roots:
+                            root.set_input_tensor(None)
         if key is not None and known is None:
             self.activation_shapes.learn(key, shapes, state.pp_group, self.device)
         reported = None

@@ -87,6 +87,7 @@ from torch import nn
 from ..moe.experts import GroupedMLP
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .float8_output import ALIGNMENT, Float8OutputLayer
+from .float8_weights import Float8WeightCast, cached_float8_linear
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)           # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
@@ -135,6 +136,11 @@ class Float8Config:
             loss curve says so: on an H200 it made the Llama-3-8B layer shape's step 1.32x our compiled bf16
             (1.24x with the linears alone), and GPT-1.3B's 200-step curve (``bench_fp8.py``, one run) left the
             plateau with bf16's and ended within 0.3% of it (``benchmarks/RESULTS.md``, sixteenth session).
+        cache_weights: cast each parallel linear's weight to float8 once per schedule (every micro-batch of a
+            training step, or of an evaluation batch, run by the strategy's step engine) instead of in every
+            forward and backward (``quantization/float8_weights.py``): the same numbers as torchao's casts, bit for
+            bit, for two bytes of memory per weight element. ``None`` (default): on for ``"tensorwise"``; the
+            rowwise recipe recasts every call (``True`` with it raises).
     """
 
     recipe: str = "tensorwise"
@@ -146,6 +152,7 @@ class Float8Config:
     round_scales_to_power_of_2: Optional[bool] = None
     grouped_experts: bool = False
     output_layer: bool = False
+    cache_weights: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -157,6 +164,13 @@ class Float8Config:
         if self.round_scales_to_power_of_2 is not None and not isinstance(self.round_scales_to_power_of_2, bool):
             raise ValueError(f"Float8Config.round_scales_to_power_of_2 must be True, False or None (the recipe's "
                              f"default), got {self.round_scales_to_power_of_2!r}.")
+        if self.cache_weights is not None and not isinstance(self.cache_weights, bool):
+            raise ValueError(f"Float8Config.cache_weights must be True, False or None (on for the tensorwise recipe), "
+                             f"got {self.cache_weights!r}.")
+        if self.cache_weights and self.recipe != "tensorwise":
+            raise ValueError(f"Float8Config(cache_weights=True) keeps tensorwise float8 weights for a whole step, got "
+                             f"recipe={self.recipe!r} (its casts are torchao's, every call): use recipe='tensorwise', "
+                             f"or cache_weights=None.")
         if self.output_layer and self.recipe != "tensorwise":
             raise ValueError(f"Float8Config(output_layer=True) runs the output layer with tensorwise scales only, "
                              f"got recipe={self.recipe!r}: use recipe='tensorwise', or output_layer=False.")
@@ -167,6 +181,11 @@ class Float8Config:
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError(f"Float8Config.module_filter_fn must be callable(module, name) -> bool, "
                              f"got {self.module_filter_fn!r}.")
+
+    @property
+    def weights_cached(self) -> bool:
+        """Whether the parallel linears' weights are cast once per schedule (``cache_weights``; None: tensorwise)."""
+        return self.recipe == "tensorwise" if self.cache_weights is None else self.cache_weights
 
     def torchao_config(self):
         """torchao's ``Float8LinearConfig`` of this recipe (``emulate`` applied). Needs torchao."""
@@ -240,14 +259,24 @@ def _patch_inductor_for_float8(config) -> None:
 _EAGER_FLOAT8_LINEAR: dict = {}
 
 
+def _compiled_for_shape(fn: Callable, name: str) -> Callable:
+    """``fn`` ``torch.compile``d under its own code object named ``name``: its own compile cache (static shapes;
+    a model's many layer shapes do not add up against dynamo's recompile limit, past which it would silently
+    fall back to eager)."""
+    if sys.version_info >= (3, 11):   # code objects have a qualified name since 3.11
+        code = fn.__code__.replace(co_name=name, co_qualname=name)
+    else:
+        code = fn.__code__.replace(co_name=name)
+    return torch.compile(types.FunctionType(code, fn.__globals__, name, None, fn.__closure__), dynamic=False)
+
+
 @functools.lru_cache(maxsize=None)
 def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[tuple] = None,
                    pow2: Optional[bool] = None) -> Callable:
     """``(x, weight, bias) -> x @ weight.T + bias`` through torchao's float8 autograd matmul, as
     ``Float8Linear.forward`` calls it. Eager: one function per recipe. Compiled: one per recipe and
     ``shape`` (the weight's, and whether there is a bias), each with its own code object and so its own
-    ``torch.compile`` cache: static shapes, and a model's many layer shapes do not add up against
-    dynamo's recompile limit (past it dynamo would silently fall back to eager)."""
+    ``torch.compile`` cache."""
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
     config = Float8Config(recipe, emulate=emulate, round_scales_to_power_of_2=pow2).torchao_config()
@@ -261,23 +290,38 @@ def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[t
     if not compiled:
         return float8_linear
     _patch_inductor_for_float8(config)
-    name = f"float8_linear_{recipe}_" + "_".join(map(str, shape or ()))
-    if sys.version_info >= (3, 11):   # code objects have a qualified name since 3.11
-        code = float8_linear.__code__.replace(co_name=name, co_qualname=name)
-    else:
-        code = float8_linear.__code__.replace(co_name=name)
-    fn = types.FunctionType(code, float8_linear.__globals__, name, None, float8_linear.__closure__)
-    return torch.compile(fn, dynamic=False)
+    return _compiled_for_shape(float8_linear, f"float8_linear_{recipe}_" + "_".join(map(str, shape or ())))
+
+
+def _cached_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], data: torch.Tensor,
+                          data_t: torch.Tensor, scale: torch.Tensor, pow2: bool, emulate: bool) -> torch.Tensor:
+    """``x @ weight.T + bias`` from the weight's float8 casts (``float8_weights.py``)."""
+    out = cached_float8_linear(x, weight, data, data_t, scale, pow2, emulate)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_cached_weight_linear(shape: tuple) -> Callable:
+    """:func:`_cached_weight_linear` compiled for one ``shape`` (as :func:`_float8_linear`)."""
+    def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], data: torch.Tensor,
+                      data_t: torch.Tensor, scale: torch.Tensor, pow2: bool, emulate: bool) -> torch.Tensor:
+        return _cached_weight_linear(x, weight, bias, data, data_t, scale, pow2, emulate)
+
+    return _compiled_for_shape(float8_linear, "float8_linear_cached_" + "_".join(map(str, shape)))
 
 
 class Float8Matmul:
     """One layer's local ``x @ weight.T + bias`` in float8 (what :func:`enable_fp8` puts in a parallel
-    linear's ``float8`` attribute). Holds only its config and the layer's name: copies and pickles."""
+    linear's ``float8`` attribute). Holds its config, the layer's name and, where weights are cast once per
+    schedule (``Float8Config.cache_weights``), the layer's :class:`~.float8_weights.Float8WeightCast`."""
 
-    def __init__(self, config: Float8Config, name: str) -> None:
-        self.config, self.name = config, name
+    def __init__(self, config: Float8Config, name: str, weight_cast: Optional[Float8WeightCast] = None) -> None:
+        self.config, self.name, self.weight_cast = config, name, weight_cast
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 own_weight: bool = False) -> torch.Tensor:
+        """``own_weight``: ``weight`` is the layer's parameter (the one its ``weight_cast`` casts), not a
+        tensor made from it."""
         if x.device.type != "cuda" and not self.config.emulate:
             raise RuntimeError(f"{self.name}: fp8={self.config.recipe!r} runs float8 GEMMs on a CUDA GPU, but its "
                                f"input is on {x.device}. Move the model to the GPU or train with fp8=None.")
@@ -292,11 +336,17 @@ class Float8Matmul:
                 f"Use a batch size / sequence length whose product is a multiple of {ALIGNMENT}, or leave this "
                 f"layer out (Float8Config(module_filter_fn=...)).")
         config = self.config
+        shape = (*weight.shape, bias is not None) if config.compile else None
+        cast = self.weight_cast
+        if own_weight and cast is not None and cast.armed:   # cast once for this schedule (float8_weights.py)
+            eager = torch.compiler.is_compiling() or shape is None   # traced into a compiled layer, or no compile
+            assert cast.data is not None and cast.data_t is not None and cast.scale is not None   # armed: refreshed
+            fn = _cached_weight_linear if eager or shape is None else _compiled_cached_weight_linear(shape)
+            return fn(x, weight, bias, cast.data, cast.data_t, cast.scale, cast.pow2, config.emulate)
         if torch.compiler.is_compiling():   # traced into a larger compiled graph (compile_layers): the eager matmul
             key = (config.recipe, config.emulate, config.round_scales_to_power_of_2)
             fn = _EAGER_FLOAT8_LINEAR.get(key) or _float8_linear(*key[:2], False, None, key[2])
             return fn(x, weight, bias)
-        shape = (*weight.shape, bias is not None) if config.compile else None
         return _float8_linear(config.recipe, config.emulate, config.compile, shape,
                               config.round_scales_to_power_of_2)(x, weight, bias)
 
@@ -475,7 +525,9 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             if keep(module, name, *module.weight.shape):
-                module.float8 = Float8Matmul(config, name or type(module).__name__)
+                cast = (Float8WeightCast(module.weight, bool(config.round_scales_to_power_of_2), config.compile)
+                        if config.weights_cached else None)
+                module.float8 = Float8Matmul(config, name or type(module).__name__, cast)
                 converted.append(name)
         elif isinstance(module, GroupedMLP):
             label = name or type(module).__name__

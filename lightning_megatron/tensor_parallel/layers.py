@@ -95,7 +95,7 @@ class _TensorParallelLinear(_TensorParallelModule):
 
     #: this rank's ``(x, weight, bias) -> x @ weight.T + bias`` in float8, put here by
     #: ``lightning_megatron.quantization.float8.enable_fp8``; ``None``: ``F.linear``
-    float8: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
+    float8: Optional[Callable[..., torch.Tensor]] = None
     #: the weight gradient may wait for the zero-bubble schedule's W step (``deferred_wgrad.py``)
     defer_weight_grad: bool = False
     #: sequence-parallel communication overlapped with the matmul (``comm_overlap.py``; set at construction)
@@ -126,7 +126,7 @@ class _TensorParallelLinear(_TensorParallelModule):
         """``x @ weight.T + bias`` on this rank, no communication: ``F.linear``, or the float8 matmul
         ``enable_fp8`` installed (code that multiplies by a layer's weight itself should call this)."""
         if self.float8 is not None:
-            return self.float8(x, weight, bias)
+            return self.float8(x, weight, bias, own_weight=weight is self.weight)
         if self.defer_weight_grad and weight is self.weight:
             return deferrable_linear(x, weight, bias)
         if self.accumulate_weight_grads and weight is self.weight:

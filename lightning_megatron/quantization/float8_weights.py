@@ -1,0 +1,159 @@
+"""A float8 linear's weight cast once per schedule (tensorwise), not in every micro-batch's forward and backward.
+
+torchao's float8 linear (``matmul_with_hp_or_float8_args``) casts the weight to float8 in each forward and again
+in each backward: at the Llama-3-8B layer shape (8 layers, four micro-batches a step) that is ~70 GB of memory
+traffic a step, ~20 ms on an H200. The weight does not change between the micro-batches of a step, so the step
+engine casts every converted weight once when a schedule starts (:meth:`Float8WeightCast.refresh`), in the two
+layouts its GEMMs read (``W`` for the forward, ``Wᵀ`` for the input gradient), and the layers use those casts
+until the schedule ends (:func:`armed_weight_casts`), as Transformer Engine's ``is_first_microbatch`` caching
+does. Memory: two bytes per weight element of every converted linear.
+
+Numerically this is torchao's tensorwise float8 linear, bit for bit: the same casts (torchao's own scale and
+saturation functions), of the same tensors, into the same GEMMs on the same layouts (``torch._scaled_mm``, fast
+accumulation in the forward only; torchao's emulation with ``emulate=True``). The casts are rewritten in place, so
+CUDA graphs captured around the layers keep reading the same memory; a layer called outside a schedule (the user's
+own forward), or multiplying a tensor that is not its own weight (a gathered one), casts as torchao does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _to_float8(x: torch.Tensor, dtype: torch.dtype, pow2: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in ``dtype`` with its tensorwise dynamic scale, and the scale, exactly as torchao casts it
+    (``hp_tensor_to_float8_dynamic``: ``tensor_to_scale``, then ``x.float() * scale`` saturated)."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(x, dtype, round_scales_to_power_of_2=pow2)
+    return to_fp8_saturated(x.to(torch.float32) * scale, dtype), scale
+
+
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+        fast_accum: bool, emulate: bool) -> torch.Tensor:
+    """``a @ b`` of float8 operands as torchao's float8 ``mm`` runs it: emulated on the operands as they are, else
+    ``torch._scaled_mm`` on ``a`` made row-major and ``b`` column-major (no copy where they already are)."""
+    from torchao.float8.float8_utils import is_row_major
+
+    if emulate:
+        return torch.mm(a.float() / a_scale, b.float() / b_scale).to(out_dtype)
+    if not is_row_major(a.stride()):
+        a = a.contiguous()
+    if is_row_major(b.stride()):
+        b = b.t().contiguous().t()
+    return torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def _refresh(weight: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, scale: torch.Tensor,
+             pow2: bool) -> None:
+    """Write ``weight``'s float8 cast into ``data`` (its layout) and ``data_t`` (transposed), its scale into
+    ``scale``: one pass over the weight when compiled."""
+    cast, s = _to_float8(weight, E4M3, pow2)
+    data.copy_(cast)
+    data_t.copy_(cast.t())
+    scale.copy_(s)
+
+
+@functools.lru_cache(maxsize=None)
+def _refresher(compiled: bool):
+    return torch.compile(_refresh, dynamic=False) if compiled else _refresh
+
+
+class Float8WeightCast:
+    """One linear's weight in float8 for the schedule that runs now: ``data [out, in]`` and ``data_t [in, out]``
+    (row-major each), and its scale. ``armed`` while a schedule runs (set by :func:`armed_weight_casts`)."""
+
+    def __init__(self, weight: nn.Parameter, pow2: bool = False, compiled: bool = True) -> None:
+        self.weight, self.pow2, self.compiled = weight, pow2, compiled
+        self.armed = False
+        self.data: Optional[torch.Tensor] = None
+        self.data_t: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
+
+    def refresh(self) -> None:
+        """Cast the weight as it is now, into the same buffers each time (allocated at the first call)."""
+        weight = self.weight.detach()
+        if self.data is None or self.data.shape != weight.shape or self.data.device != weight.device:
+            rows, cols = weight.shape
+            self.data = torch.empty(rows, cols, dtype=E4M3, device=weight.device)
+            self.data_t = torch.empty(cols, rows, dtype=E4M3, device=weight.device)
+            self.scale = torch.empty((), dtype=torch.float32, device=weight.device)
+        assert self.data_t is not None and self.scale is not None
+        compiled = self.compiled and weight.device.type == "cuda"
+        with torch.no_grad():
+            _refresher(compiled)(weight, self.data, self.data_t, self.scale, self.pow2)
+
+    def __repr__(self) -> str:
+        return f"Float8WeightCast({tuple(self.weight.shape)}, armed={self.armed})"
+
+
+class _CachedWeightFloat8Linear(torch.autograd.Function):
+    """``x @ weightᵀ`` with ``weight`` already in float8 (both layouts): torchao's tensorwise
+    ``matmul_with_hp_or_float8_args`` without its two weight casts."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor,
+                scale: torch.Tensor, pow2: bool, emulate: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, data, data_t, scale)
+        ctx.pow2, ctx.emulate, ctx.weight_dtype = pow2, emulate, weight.dtype
+        x8, x_scale = _to_float8(x, E4M3, pow2)
+        out = _mm(x8.reshape(-1, x.shape[-1]), x_scale, data.t(), scale, x.dtype, True, emulate)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, data, data_t, scale = ctx.saved_tensors
+        pow2, emulate = ctx.pow2, ctx.emulate
+        g = grad.reshape(-1, grad.shape[-1])
+        g8, g_scale = _to_float8(g, E5M2, pow2)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:   # g [t, out] @ W [out, in]; column-major W is the cached Wᵀ, row-major
+            w = data if emulate else data_t.t()   # (torchao's emulation multiplies W in its own layout)
+            grad_x = _mm(g8, g_scale, w, scale, grad.dtype, False, emulate)
+            grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
+        if ctx.needs_input_grad[1]:   # gᵀ [out, t] @ x [t, in]
+            x8, x_scale = _to_float8(x.reshape(-1, x.shape[-1]), E4M3, pow2)
+            grad_w = _mm(g8.t(), g_scale, x8, x_scale, grad.dtype, False, emulate).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def cached_float8_linear(x: torch.Tensor, weight: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor,
+                         scale: torch.Tensor, pow2: bool, emulate: bool) -> torch.Tensor:
+    """``x @ weightᵀ`` in float8 from ``weight``'s casts (``data``, ``data_t``, ``scale`` of an armed
+    :class:`Float8WeightCast`); the gradient reaches ``weight``."""
+    return _CachedWeightFloat8Linear.apply(x, weight, data, data_t, scale, pow2, emulate)
+
+
+def float8_weight_casts(module: nn.Module) -> list:
+    """Every :class:`Float8WeightCast` of ``module``'s float8 linears (``enable_fp8`` made them)."""
+    casts = []
+    for m in module.modules():
+        cast = getattr(getattr(m, "float8", None), "weight_cast", None)
+        if isinstance(cast, Float8WeightCast):
+            casts.append(cast)
+    return casts
+
+
+@contextlib.contextmanager
+def armed_weight_casts(casts: Sequence[Float8WeightCast]) -> Iterator[None]:
+    """Cast every weight of ``casts`` now and let the layers use the casts until the block ends (one schedule:
+    the weights do not change inside it)."""
+    for cast in casts:
+        cast.refresh()
+        cast.armed = True
+    try:
+        yield
+    finally:
+        for cast in casts:
+            cast.armed = False
+
+
+__all__ = ["Float8WeightCast", "armed_weight_casts", "cached_float8_linear", "float8_weight_casts"]
