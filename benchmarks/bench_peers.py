@@ -255,7 +255,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     data = Tokens(args.batch * steps, s)
     trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=batch, drop_last=True))
     step_s = (marks["end"] - marks[args.warmup]) / args.steps
-    kernels = kernel_summary(marks["profiler"], args.profile) if "profiler" in marks else None
+    kernels = kernel_summary(marks["profiler"], args.profile, args.profile_top) if "profiler" in marks else None
     from lightning_megatron.models import llama_config
     from lightning_megatron.transformer.flops import training_flops_per_sequence
 
@@ -274,7 +274,7 @@ KINDS = (   # kernel name fragments -> what they are (first match wins)
 )
 
 
-def kernel_summary(prof, steps: int) -> dict:
+def kernel_summary(prof, steps: int, top_n: int = 15) -> dict:
     """GPU kernel time per step by kind, and the 15 longest kernels (ms per step)."""
     kinds: dict = {}
     names: dict = {}
@@ -292,7 +292,7 @@ def kernel_summary(prof, steps: int) -> dict:
         names[event.key[:90]] = names.get(event.key[:90], 0.0) + ms
         if kind == "other elementwise/copies":
             other[event.key[:90]] = other.get(event.key[:90], 0.0) + ms
-    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:15])
+    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:top_n])
     top_other = dict(sorted(other.items(), key=lambda kv: -kv[1])[:10])
     return {"by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "total_ms": round(sum(kinds.values()), 2), "top_ms": {k: round(v, 2) for k, v in top.items()},
@@ -341,6 +341,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (plumbing)")
     parser.add_argument("--budget-s", type=float, default=540.0)
     parser.add_argument("--profile", type=int, default=0, help="profile this many steps after the timed ones")
+    parser.add_argument("--profile-top", type=int, default=15, help="list this many of the longest kernels")
     args = parser.parse_args()
     if args.tiny:
         args.shape = "tiny"
@@ -362,7 +363,7 @@ def main() -> None:
         base = [os.path.abspath(__file__), "--only", name, "--shape", args.shape, "--tp", str(args.tp),
                 "--batch", str(args.batch), "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup),
                 "--steps", str(args.steps), "--peak", str(args.peak), "--accelerator", args.accelerator,
-                "--profile", str(args.profile)]
+                "--profile", str(args.profile), "--profile-top", str(args.profile_top)]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"]
                if args.gpus > 1 else [sys.executable]) + base
         r = run_isolated(name, cmd, left)
