@@ -5,7 +5,8 @@ Each data-parallel rank updates only its chunk of every bucket; an all-gather of
 place, brings everyone's chunks back. With ``overlap`` the all-gathers are issued at once (in
 forward order: last bucket first) and each module waits, in a forward pre-hook, only for the
 buckets holding its own parameters, so the gather of later layers overlaps the forward of earlier
-ones. A parameter read outside its owner's forward before then would be stale: call ``finish()``
+ones; that pre-hook runs before the module's other pre-hooks (which may read the parameters: the float8
+weights' casts, ``quantization/float8_weights.py``). A parameter read outside its owner's forward before then would be stale: call ``finish()``
 before reading parameters directly (checkpoints, evaluation code that bypasses ``forward``).
 
 A module whose class sets ``wait_for_params_as_one = True`` (the transformer layer), or one compiled with
@@ -78,7 +79,9 @@ class ParamGather:
                     mine = {id(b): (pb, b) for p in module.parameters(recurse=as_one)
                             if id(p) in where for pb, b in [where[id(p)]]}
                     if mine:
-                        self._hooks.append(module.register_forward_pre_hook(_waiter(list(mine.values()))))
+                        # first of the module's pre-hooks: the others (float8 casts) read current parameters
+                        self._hooks.append(module.register_forward_pre_hook(_waiter(list(mine.values())),
+                                                                            prepend=True))
 
     def start(self) -> None:
         """Issue every bucket's all-gather; without overlap, also wait for them."""

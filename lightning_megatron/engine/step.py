@@ -40,7 +40,8 @@ from ..parallel.heartbeat import HEARTBEAT
 from ..tensor_parallel.random import get_rng_tracker
 from ..pipeline import resolve_group_size, schedule_order
 from ..pipeline.executor import forward_backward
-from ..quantization.float8_weights import armed_weight_casts, float8_weight_casts
+from ..quantization.float8_weights import (armed_weight_casts, float8_weight_casts, install_refresh_hooks,
+                                           ready_for_capture)
 from .logs import (LogError, Logged, broadcast_from_last_stage, check_logged, combine_microbatches, combine_over,
                    raise_log_error)
 
@@ -172,7 +173,10 @@ class StepEngine:
         self.roots = pipeline_roots(module)
         self.stage_dtype = activation_dtype(module)
         self.routers = [m for m in module.modules() if isinstance(m, TopKRouter)]   # found once, set every step
-        self.weight_casts = float8_weight_casts(module)   # float8 weights cast once per schedule, not per micro-batch
+        # float8 weights cast once per schedule, not per micro-batch: by their layers' pre-hooks (installed before any
+        # graph is built: the per-layer graphs call the pre-hooks of the modules they replay)
+        self.weight_casts = float8_weight_casts(module)
+        self.cast_hooks = install_refresh_hooks(module) if self.weight_casts else []
         self.is_last_stage = state.is_pipeline_last_stage(ignore_virtual=True)
         self.cuda_graph = cuda_graph
         self.partial_graphs: Any = None
@@ -304,8 +308,9 @@ class StepEngine:
         with armed_weight_casts(self.weight_casts):
             if self.partial_graphs is not None and not forward_only:
                 # per-layer graphs replay in exactly the order this schedule runs the layers
-                self.partial_graphs.begin_step(_schedule_order(len(microbatches), state.pp_size, state.pp_rank,
-                                                               self.chunks, self.group_size))
+                with ready_for_capture(self.weight_casts):
+                    self.partial_graphs.begin_step(_schedule_order(len(microbatches), state.pp_size, state.pp_rank,
+                                                                   self.chunks, self.group_size))
             if known is not None:   # learned for these micro-batch shapes: no headers, no host sync
                 shape_args: Dict[str, Any] = {"tensor_shape": known, "variable_seq_lengths": False}
             else:   # sent ahead (any length)
@@ -367,9 +372,12 @@ class StepEngine:
                           num_tokens=num_tokens, grad_scale=grad_scale, extras=extras)
 
     def close(self) -> None:
-        """Give back the per-layer graphs' hooks (the model runs eagerly again)."""
+        """Give back the per-layer graphs' hooks (the model runs eagerly again) and the float8 casts' hooks."""
         if self.partial_graphs is not None:
             self.partial_graphs.remove()
+        for hook in self.cast_hooks:
+            hook.remove()
+        self.cast_hooks = []
         self.partial_graphs, self.full_graph = None, None
 
 

@@ -137,8 +137,9 @@ class Float8Config:
             (1.24x with the linears alone), and GPT-1.3B's 200-step curve (``bench_fp8.py``, one run) left the
             plateau with bf16's and ended within 0.3% of it (``benchmarks/RESULTS.md``, sixteenth session).
         cache_weights: cast each parallel linear's weight to float8 once per schedule (every micro-batch of a
-            training step, or of an evaluation batch, run by the strategy's step engine) instead of in every
-            forward and backward (``quantization/float8_weights.py``): the same numbers as torchao's casts, bit for
+            training step, or of an evaluation batch, run by the strategy's step engine; the cast is made at the
+            layer's first forward, after its parameters' overlapped gather) instead of in every forward and
+            backward (``quantization/float8_weights.py``): the same numbers as torchao's casts, bit for
             bit, for two bytes of memory per weight element. ``None`` (default): on for ``"tensorwise"``; the
             rowwise recipe recasts every call (``True`` with it raises).
     """
@@ -338,7 +339,7 @@ class Float8Matmul:
         config = self.config
         shape = (*weight.shape, bias is not None) if config.compile else None
         cast = self.weight_cast
-        if own_weight and cast is not None and cast.armed:   # cast once for this schedule (float8_weights.py)
+        if own_weight and cast is not None and cast.ready():   # cast once for this schedule (float8_weights.py)
             eager = torch.compiler.is_compiling() or shape is None   # traced into a compiled layer, or no compile
             assert cast.data is not None and cast.data_t is not None and cast.scale is not None   # armed: refreshed
             fn = _cached_weight_linear if eager or shape is None else _compiled_cached_weight_linear(shape)

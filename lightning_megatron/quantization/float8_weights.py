@@ -2,11 +2,17 @@
 
 torchao's float8 linear (``matmul_with_hp_or_float8_args``) casts the weight to float8 in each forward and again
 in each backward: at the Llama-3-8B layer shape (8 layers, four micro-batches a step) that is ~70 GB of memory
-traffic a step, ~20 ms on an H200. The weight does not change between the micro-batches of a step, so the step
-engine casts every converted weight once when a schedule starts (:meth:`Float8WeightCast.refresh`), in the two
-layouts its GEMMs read (``W`` for the forward, ``Wᵀ`` for the input gradient), and the layers use those casts
-until the schedule ends (:func:`armed_weight_casts`), as Transformer Engine's ``is_first_microbatch`` caching
-does. Memory: two bytes per weight element of every converted linear.
+traffic a step, ~20 ms on an H200. The weight does not change between the micro-batches of a step, so each weight
+is cast once per schedule (:meth:`Float8WeightCast.refresh`), in the two layouts its GEMMs read (``W`` for the
+forward, ``Wᵀ`` for the input gradient), and the layers use those casts until the schedule ends, as Transformer
+Engine's ``is_first_microbatch`` caching does. Memory: two bytes per weight element of every converted linear.
+
+When: the step engine arms the casts for a schedule and marks them stale (:func:`armed_weight_casts`); a layer's
+casts are made in a forward pre-hook of the module that owns them (the transformer layer, whose ``__call__`` stays
+eager when its bodies are compiled; :func:`install_refresh_hooks`), at its first forward of the schedule. The
+parameters are current there: the distributed optimizer's overlapped all-gather waits in a pre-hook of the same
+module that runs before every other (``distributed/param_buffer.py``), so a cast is never made from a weight whose
+gather is still in flight.
 
 Numerically this is torchao's tensorwise float8 linear, bit for bit: the same casts (torchao's own scale and
 saturation functions), of the same tensors, into the same GEMMs on the same layouts (``torch._scaled_mm``, fast
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -69,11 +75,14 @@ def _refresher(compiled: bool):
 
 class Float8WeightCast:
     """One linear's weight in float8 for the schedule that runs now: ``data [out, in]`` and ``data_t [in, out]``
-    (row-major each), and its scale. ``armed`` while a schedule runs (set by :func:`armed_weight_casts`)."""
+    (row-major each), and its scale. ``armed`` while a schedule runs (set by :func:`armed_weight_casts`);
+    ``stale`` until the owner's pre-hook has cast the weight for it. The layer uses the casts only when armed
+    and not stale (:meth:`ready`)."""
 
     def __init__(self, weight: nn.Parameter, pow2: bool = False, compiled: bool = True) -> None:
         self.weight, self.pow2, self.compiled = weight, pow2, compiled
         self.armed = False
+        self.stale = True
         self.data: Optional[torch.Tensor] = None
         self.data_t: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
@@ -91,8 +100,12 @@ class Float8WeightCast:
         with torch.no_grad():
             _refresher(compiled)(weight, self.data, self.data_t, self.scale, self.pow2)
 
+    def ready(self) -> bool:
+        """Whether the casts hold the weight as it is for this schedule."""
+        return self.armed and not self.stale
+
     def __repr__(self) -> str:
-        return f"Float8WeightCast({tuple(self.weight.shape)}, armed={self.armed})"
+        return f"Float8WeightCast({tuple(self.weight.shape)}, armed={self.armed}, stale={self.stale})"
 
 
 class _CachedWeightFloat8Linear(torch.autograd.Function):
@@ -132,23 +145,59 @@ def cached_float8_linear(x: torch.Tensor, weight: torch.Tensor, data: torch.Tens
     return _CachedWeightFloat8Linear.apply(x, weight, data, data_t, scale, pow2, emulate)
 
 
-def float8_weight_casts(module: nn.Module) -> list:
+def float8_weight_casts(module: nn.Module) -> List[Float8WeightCast]:
     """Every :class:`Float8WeightCast` of ``module``'s float8 linears (``enable_fp8`` made them)."""
-    casts = []
-    for m in module.modules():
-        cast = getattr(getattr(m, "float8", None), "weight_cast", None)
-        if isinstance(cast, Float8WeightCast):
-            casts.append(cast)
-    return casts
+    return [cast for m in module.modules() for cast in [_cast_of(m)] if cast is not None]
+
+
+def _cast_of(module: nn.Module) -> Optional[Float8WeightCast]:
+    cast = getattr(getattr(module, "float8", None), "weight_cast", None)
+    return cast if isinstance(cast, Float8WeightCast) else None
+
+
+def _owners(root: nn.Module) -> Dict[nn.Module, List[Float8WeightCast]]:
+    """The module whose pre-hook makes each cast: the outermost one that waits for its parameters as one, or is
+    compiled whole (the rule of ``distributed/param_buffer.py``), else the linear itself."""
+    owners: Dict[nn.Module, List[Float8WeightCast]] = {}
+    claimed = set()
+    for module in root.modules():   # parents before their children
+        if id(module) in claimed:
+            continue
+        as_one = (getattr(module, "wait_for_params_as_one", False)
+                  or getattr(module, "_compiled_call_impl", None) is not None)
+        casts = float8_weight_casts(module) if as_one else [c for c in [_cast_of(module)] if c is not None]
+        if as_one:
+            claimed.update(id(m) for m in module.modules())
+        if casts:
+            owners[module] = casts
+    return owners
+
+
+def install_refresh_hooks(root: nn.Module) -> List[Any]:
+    """A forward pre-hook on every owner of casts in ``root`` that casts its stale armed weights; returns the hook
+    handles (``remove()`` each to take them off)."""
+    handles = []
+    for owner, casts in _owners(root).items():
+        handles.append(owner.register_forward_pre_hook(_refresher_hook(casts)))
+    return handles
+
+
+def _refresher_hook(casts: List[Float8WeightCast]) -> Callable[..., None]:
+    @torch._dynamo.disable   # a hook traced with its module (module.compile()) runs eagerly: the flags are host state
+    def cast_stale_weights(module: nn.Module, args: Any) -> None:
+        for cast in casts:
+            if cast.armed and cast.stale:
+                cast.refresh()
+                cast.stale = False
+    return cast_stale_weights
 
 
 @contextlib.contextmanager
 def armed_weight_casts(casts: Sequence[Float8WeightCast]) -> Iterator[None]:
-    """Cast every weight of ``casts`` now and let the layers use the casts until the block ends (one schedule:
-    the weights do not change inside it)."""
+    """Let the layers use their weights' casts for one schedule (the weights do not change inside it): each is made
+    by its owner's pre-hook at the owner's first forward (:func:`install_refresh_hooks`)."""
     for cast in casts:
-        cast.refresh()
-        cast.armed = True
+        cast.armed, cast.stale = True, True
     try:
         yield
     finally:
@@ -156,4 +205,22 @@ def armed_weight_casts(casts: Sequence[Float8WeightCast]) -> Iterator[None]:
             cast.armed = False
 
 
-__all__ = ["Float8WeightCast", "armed_weight_casts", "cached_float8_linear", "float8_weight_casts"]
+@contextlib.contextmanager
+def ready_for_capture(casts: Sequence[Float8WeightCast]) -> Iterator[None]:
+    """While per-layer CUDA graphs are captured (their pieces run without the owners' pre-hooks): the layers take
+    the cached path, reading the cast buffers, which the pre-hooks refresh in place before each step's replays.
+    Buffers never filled are filled now (their values do not matter to the capture)."""
+    stale = [cast.stale for cast in casts]
+    for cast in casts:
+        if cast.data is None:
+            cast.refresh()
+        cast.stale = False
+    try:
+        yield
+    finally:
+        for cast, was in zip(casts, stale):
+            cast.stale = was
+
+
+__all__ = ["Float8WeightCast", "armed_weight_casts", "cached_float8_linear", "float8_weight_casts",
+           "install_refresh_hooks", "ready_for_capture"]

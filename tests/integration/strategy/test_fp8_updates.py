@@ -10,17 +10,25 @@ from helpers.strategy_utils import assert_same_run, assert_same_updates, fit_and
 from lightning_megatron.testing import run_on_ranks
 
 
-def _fp8(output_layer=True):
+def _fp8(output_layer=True, cache_weights=None):
     from lightning_megatron.quantization.float8 import Float8Config
 
-    return Float8Config("tensorwise", emulate=True, compile=False, output_layer=output_layer)
+    return Float8Config("tensorwise", emulate=True, compile=False, output_layer=output_layer,
+                        cache_weights=cache_weights)
 
 
 # the whole-logits fused loss: what the float8 output layer runs in
 FUSED = dict(gpt_kwargs=dict(fused_cross_entropy=True, cross_entropy_chunk_size=None))
+GATHER = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=600)
 LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
            "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                micro_batch_size=2))}
+# the weights' float8 casts, made once per step, must be made from the weights as they are then: after the
+# distributed optimizer's overlapped parameter gather has brought each layer's weights back
+CACHED = {"dp2-distopt-gather": (2, dict(micro_batch_size=2, **GATHER)),
+          "dp2-partial-graphs-distopt-gather": (2, dict(micro_batch_size=2, cuda_graph="partial",
+                                                        cuda_graph_backend="eager", **GATHER)),
+          "pp2vpp2": LAYOUTS["pp2vpp2"]}
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +62,40 @@ def test_float8_with_the_output_layer_under_tensor_and_sequence_parallelism(refe
             (y[n] - first[1][n]).norm().item(), 1e-12) for x, y in zip(a["params"][1:], b["params"][1:]) for n in y)
 
     assert distance(out[0], ref) < 0.5
+
+
+@pytest.mark.parametrize("name", list(CACHED))
+def test_weights_cast_once_per_step_train_as_recasting_in_every_call(name):
+    """``Float8Config(cache_weights=None)`` (the default: each weight cast once per schedule) against ``False``
+    (torchao's casts in every call), the same layout: the same run. (Data parallelism is not compared with one
+    process here: each micro-batch's tensorwise input scale depends on which samples it holds.)"""
+    world, kwargs = CACHED[name]
+    fit = _fit_with_late_gathers if "gather" in name else fit_and_record   # (dp2 only: no shards to join)
+    recast = run_on_ranks(fit, world, dict(kwargs, fp8=_fp8(cache_weights=False)), FUSED, timeout=240)
+    cached = run_on_ranks(fit, world, dict(kwargs, fp8=_fp8()), FUSED, timeout=240)
+    assert_same_run(cached, recast[0])
+
+
+def _fit_with_late_gathers(*args, **kwargs):
+    """``fit_and_record`` with each overlapped parameter all-gather completing as late as it may: when it is
+    waited for (on the CPU gloo's finish at once, which would hide a cast made before the wait), and the
+    parameters recorded after each step as this rank holds them then (the recorder's own wait for the gathers
+    would hide it too: what a stale cast changes shows in the next steps' updates of this rank's shard)."""
+    from helpers import strategy_utils
+    from lightning_megatron.distributed import param_buffer
+
+    def record(self, trainer, module, *args):   # data parallelism only: this rank's whole model, as it holds it
+        self.after_step.append({n: p.detach().float().cpu().clone() for n, p in module.named_parameters()})
+
+    def start(self, bucket):
+        if self.grads.group_size > 1:
+            self.handles.setdefault(bucket.index, bucket)
+
+    def wait(self, bucket):
+        if self.handles.pop(bucket.index, None) is not None:
+            lo, hi = self.grads.shard_range(bucket)
+            param_buffer.all_gather(self.data[bucket.start:bucket.end], self.data[lo:hi], group=self.grads.group)
+
+    param_buffer.ParamBuffer.start, param_buffer.ParamBuffer.wait = start, wait
+    strategy_utils.RecordParameters.on_train_batch_end = record
+    return fit_and_record(*args, **kwargs)

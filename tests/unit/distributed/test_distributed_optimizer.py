@@ -304,3 +304,22 @@ def test_sharded_checkpoint_of_the_distributed_optimizer_keeps_float32_masters(t
     _train(model, optimizer, dist_opt, grads, steps=1)
     _train(other, other_opt, other_dist, other_grads, steps=1)
     assert torch.equal(model.weight, other.weight)
+
+
+def test_the_overlapped_gather_waits_before_the_modules_other_pre_hooks():
+    """A module's own wait for its parameters' all-gather runs before any pre-hook registered on it earlier (the
+    float8 weights' casts read the parameters in one): otherwise that hook would read a weight mid-gather."""
+    from types import SimpleNamespace
+
+    from lightning_megatron.distributed.param_buffer import ParamGather
+
+    log = []
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_pre_hook(lambda module, args: log.append("earlier hook"))
+    bucket = SimpleNamespace(index=0)
+    grads = SimpleNamespace(params=list(layer.parameters()), bucket_of={id(p): bucket for p in layer.parameters()})
+    buffer = SimpleNamespace(grads=grads, wait=lambda b: log.append("waited for the gather"))
+    gather = ParamGather([buffer], [layer], overlap=True)
+    layer(torch.ones(1, 4))
+    assert log == ["waited for the gather", "earlier hook"]
+    gather.remove_hooks()
