@@ -6,8 +6,9 @@ place, brings everyone's chunks back. With ``overlap`` the all-gathers are issue
 forward order: last bucket first) and each module waits, in a forward pre-hook, only for the
 buckets holding its own parameters, so the gather of later layers overlaps the forward of earlier
 ones; that pre-hook runs before the module's other pre-hooks (which may read the parameters: the float8
-weights' casts, ``quantization/float8_weights.py``). A parameter read outside its owner's forward before then would be stale: call ``finish()``
-before reading parameters directly (checkpoints, evaluation code that bypasses ``forward``).
+weights' casts, ``quantization/float8_weights.py``). A parameter read outside its owner's forward before then
+would be stale: call ``finish()`` before reading parameters directly (checkpoints, evaluation code that bypasses
+``forward``).
 
 A module whose class sets ``wait_for_params_as_one = True`` (the transformer layer), or one compiled with
 ``module.compile()``, waits once, before its own forward, for every parameter below it, and its submodules

@@ -74,8 +74,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import sys
-import types
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -87,7 +85,7 @@ from torch import nn
 from ..moe.experts import GroupedMLP
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .float8_output import ALIGNMENT, Float8OutputLayer
-from .float8_weights import Float8WeightCast, cached_float8_linear
+from .float8_weights import Float8WeightCast, cached_float8_linear, compiled_for_shape
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)           # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
@@ -260,24 +258,13 @@ def _patch_inductor_for_float8(config) -> None:
 _EAGER_FLOAT8_LINEAR: dict = {}
 
 
-def _compiled_for_shape(fn: Callable, name: str) -> Callable:
-    """``fn`` ``torch.compile``d under its own code object named ``name``: its own compile cache (static shapes;
-    a model's many layer shapes do not add up against dynamo's recompile limit, past which it would silently
-    fall back to eager)."""
-    if sys.version_info >= (3, 11):   # code objects have a qualified name since 3.11
-        code = fn.__code__.replace(co_name=name, co_qualname=name)
-    else:
-        code = fn.__code__.replace(co_name=name)
-    return torch.compile(types.FunctionType(code, fn.__globals__, name, None, fn.__closure__), dynamic=False)
-
-
 @functools.lru_cache(maxsize=None)
 def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[tuple] = None,
                    pow2: Optional[bool] = None) -> Callable:
     """``(x, weight, bias) -> x @ weight.T + bias`` through torchao's float8 autograd matmul, as
     ``Float8Linear.forward`` calls it. Eager: one function per recipe. Compiled: one per recipe and
     ``shape`` (the weight's, and whether there is a bias), each with its own code object and so its own
-    ``torch.compile`` cache."""
+    ``torch.compile`` cache (``float8_weights.compiled_for_shape``)."""
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
     config = Float8Config(recipe, emulate=emulate, round_scales_to_power_of_2=pow2).torchao_config()
@@ -291,7 +278,7 @@ def _float8_linear(recipe: str, emulate: bool, compiled: bool, shape: Optional[t
     if not compiled:
         return float8_linear
     _patch_inductor_for_float8(config)
-    return _compiled_for_shape(float8_linear, f"float8_linear_{recipe}_" + "_".join(map(str, shape or ())))
+    return compiled_for_shape(float8_linear, f"float8_linear_{recipe}_" + "_".join(map(str, shape or ())))
 
 
 def _cached_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], data: torch.Tensor,
@@ -308,7 +295,7 @@ def _compiled_cached_weight_linear(shape: tuple) -> Callable:
                       data_t: torch.Tensor, scale: torch.Tensor, pow2: bool, emulate: bool) -> torch.Tensor:
         return _cached_weight_linear(x, weight, bias, data, data_t, scale, pow2, emulate)
 
-    return _compiled_for_shape(float8_linear, "float8_linear_cached_" + "_".join(map(str, shape)))
+    return compiled_for_shape(float8_linear, "float8_linear_cached_" + "_".join(map(str, shape)))
 
 
 class Float8Matmul:
@@ -340,8 +327,9 @@ class Float8Matmul:
         shape = (*weight.shape, bias is not None) if config.compile else None
         cast = self.weight_cast
         if own_weight and cast is not None and cast.ready():   # cast once for this schedule (float8_weights.py)
-            eager = torch.compiler.is_compiling() or shape is None   # traced into a compiled layer, or no compile
-            assert cast.data is not None and cast.data_t is not None and cast.scale is not None   # armed: refreshed
+            assert cast.data is not None and cast.data_t is not None and cast.scale is not None   # ready: cast
+            # traced into a compiled layer, or no compile: the function itself; else compiled for this shape
+            eager = torch.compiler.is_compiling() or shape is None
             fn = _cached_weight_linear if eager or shape is None else _compiled_cached_weight_linear(shape)
             return fn(x, weight, bias, cast.data, cast.data_t, cast.scale, cast.pow2, config.emulate)
         if torch.compiler.is_compiling():   # traced into a larger compiled graph (compile_layers): the eager matmul
@@ -526,7 +514,7 @@ def enable_fp8(model: nn.Module, fp8: Union[None, str, Float8Config] = "tensorwi
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             if keep(module, name, *module.weight.shape):
-                cast = (Float8WeightCast(module.weight, bool(config.round_scales_to_power_of_2), config.compile)
+                cast = (Float8WeightCast(module, bool(config.round_scales_to_power_of_2), config.compile)
                         if config.weights_cached else None)
                 module.float8 = Float8Matmul(config, name or type(module).__name__, cast)
                 converted.append(name)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -68,19 +70,32 @@ def _refresh(weight: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, sca
     scale.copy_(s)
 
 
+def compiled_for_shape(fn: Callable, name: str) -> Callable:
+    """``fn`` ``torch.compile``d under its own code object named ``name``: its own compile cache (static shapes;
+    a model's many layer shapes do not add up against dynamo's recompile limit, past which it would silently
+    fall back to eager)."""
+    if sys.version_info >= (3, 11):   # code objects have a qualified name since 3.11
+        code = fn.__code__.replace(co_name=name, co_qualname=name)
+    else:
+        code = fn.__code__.replace(co_name=name)
+    return torch.compile(types.FunctionType(code, fn.__globals__, name, None, fn.__closure__), dynamic=False)
+
+
 @functools.lru_cache(maxsize=None)
-def _refresher(compiled: bool):
-    return torch.compile(_refresh, dynamic=False) if compiled else _refresh
+def _compiled_refresh(shape: Tuple[int, ...]) -> Callable[..., None]:
+    """:func:`_refresh` compiled for one weight shape."""
+    return compiled_for_shape(_refresh, "float8_weight_cast_" + "_".join(map(str, shape)))
 
 
 class Float8WeightCast:
-    """One linear's weight in float8 for the schedule that runs now: ``data [out, in]`` and ``data_t [in, out]``
+    """The weight of ``linear`` in float8 for the schedule that runs now: ``data [out, in]`` and ``data_t [in, out]``
     (row-major each), and its scale. ``armed`` while a schedule runs (set by :func:`armed_weight_casts`);
     ``stale`` until the owner's pre-hook has cast the weight for it. The layer uses the casts only when armed
-    and not stale (:meth:`ready`)."""
+    and not stale (:meth:`ready`). The weight is read from the layer at each cast (a parameter replaced after
+    ``enable_fp8`` is the one cast)."""
 
-    def __init__(self, weight: nn.Parameter, pow2: bool = False, compiled: bool = True) -> None:
-        self.weight, self.pow2, self.compiled = weight, pow2, compiled
+    def __init__(self, linear: nn.Module, pow2: bool = False, compiled: bool = True) -> None:
+        self.linear, self.pow2, self.compiled = linear, pow2, compiled
         self.armed = False
         self.stale = True
         self.data: Optional[torch.Tensor] = None
@@ -89,23 +104,28 @@ class Float8WeightCast:
 
     def refresh(self) -> None:
         """Cast the weight as it is now, into the same buffers each time (allocated at the first call)."""
-        weight = self.weight.detach()
+        weight = self._weight()
         if self.data is None or self.data.shape != weight.shape or self.data.device != weight.device:
             rows, cols = weight.shape
             self.data = torch.empty(rows, cols, dtype=E4M3, device=weight.device)
             self.data_t = torch.empty(cols, rows, dtype=E4M3, device=weight.device)
             self.scale = torch.empty((), dtype=torch.float32, device=weight.device)
         assert self.data_t is not None and self.scale is not None
-        compiled = self.compiled and weight.device.type == "cuda"
+        refresh = _compiled_refresh(tuple(weight.shape)) if self.compiled and weight.is_cuda else _refresh
         with torch.no_grad():
-            _refresher(compiled)(weight, self.data, self.data_t, self.scale, self.pow2)
+            refresh(weight, self.data, self.data_t, self.scale, self.pow2)
+
+    def _weight(self) -> torch.Tensor:
+        weight = self.linear.weight
+        assert isinstance(weight, torch.Tensor), type(weight)
+        return weight.detach()
 
     def ready(self) -> bool:
         """Whether the casts hold the weight as it is for this schedule."""
         return self.armed and not self.stale
 
     def __repr__(self) -> str:
-        return f"Float8WeightCast({tuple(self.weight.shape)}, armed={self.armed}, stale={self.stale})"
+        return f"Float8WeightCast({tuple(self._weight().shape)}, armed={self.armed}, stale={self.stale})"
 
 
 class _CachedWeightFloat8Linear(torch.autograd.Function):
@@ -159,7 +179,7 @@ def _owners(root: nn.Module) -> Dict[nn.Module, List[Float8WeightCast]]:
     """The module whose pre-hook makes each cast: the outermost one that waits for its parameters as one, or is
     compiled whole (the rule of ``distributed/param_buffer.py``), else the linear itself."""
     owners: Dict[nn.Module, List[Float8WeightCast]] = {}
-    claimed = set()
+    claimed: set = set()
     for module in root.modules():   # parents before their children
         if id(module) in claimed:
             continue

@@ -2,6 +2,8 @@
 same numbers as torchao's float8 linear, bit for bit; the step engine casts every weight once per schedule and the
 layers use those casts only inside it; a cast never outlives the weight it was made from."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -36,7 +38,7 @@ def test_cached_casts_compute_torchaos_float8_linear_bit_for_bit(emulate, pow2):
     ref = _torchao(x, w, g, emulate, pow2)
     ref_grads = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    cast = Float8WeightCast(w, pow2, compiled=False)
+    cast = Float8WeightCast(SimpleNamespace(weight=w), pow2, compiled=False)
     cast.refresh()
     out = cached_float8_linear(x, w, cast.data, cast.data_t, cast.scale, pow2, emulate)
     out.backward(g)
@@ -66,12 +68,19 @@ def test_the_option_and_which_layers_cache(one_rank):
     model = nn.Sequential(col, row)
     enable_fp8(model, Float8Config(emulate=True, compile=False))
     casts = float8_weight_casts(model)
-    assert [c.weight for c in casts] == [col.weight, row.weight] and not any(c.armed for c in casts)
+    assert [c.linear for c in casts] == [col, row] and not any(c.armed for c in casts)
     other = nn.Sequential(ColumnParallelLinear(32, 64))
     enable_fp8(other, Float8Config("rowwise", emulate=True, compile=False))
     enable_fp8(model2 := nn.Sequential(ColumnParallelLinear(32, 64)), Float8Config(emulate=True, compile=False,
                                                                                  cache_weights=False))
     assert float8_weight_casts(other) == [] and float8_weight_casts(model2) == []
+
+    with torch.no_grad():   # a parameter replaced after enable_fp8 (loading, re-initialisation) is the one cast
+        col.weight = nn.Parameter(torch.randn(64, 32) * 7)
+    casts[0].refresh()
+    expected, scale = float8_weights._to_float8(col.weight.detach(), float8_weights.E4M3, False)
+    assert torch.equal(casts[0].data.float(), expected.float()) and torch.equal(casts[0].scale, scale)
+    assert torch.equal(casts[0].data_t.float(), expected.float().t())
 
 
 def _tiny_gpt():
@@ -193,7 +202,7 @@ def test_gpu_cached_casts_equal_torchao_and_train_compiled_like_recasting(one_ra
     ref = _torchao(x, w, g, False, False)
     ref_grads = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    cast = Float8WeightCast(w, False, compiled=True)
+    cast = Float8WeightCast(SimpleNamespace(weight=w), False, compiled=True)
     cast.refresh()
     out = cached_float8_linear(x, w, cast.data, cast.data_t, cast.scale, False, False)
     out.backward(g)
