@@ -28,7 +28,11 @@ LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2)),
 CACHED = {"dp2-distopt-gather": (2, dict(micro_batch_size=2, **GATHER)),
           "dp2-partial-graphs-distopt-gather": (2, dict(micro_batch_size=2, cuda_graph="partial",
                                                         cuda_graph_backend="eager", **GATHER)),
-          "pp2vpp2": LAYOUTS["pp2vpp2"]}
+          "pp2vpp2": LAYOUTS["pp2vpp2"],
+          # the whole step captured (eager backend): the casts made inside it, at each layer's first forward
+          "full-graph": (1, dict(micro_batch_size=2, cuda_graph="full", cuda_graph_backend="eager")),
+          "pp2-block-graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
+                                       cuda_graph_scope="block", cuda_graph_backend="eager"))}
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +74,30 @@ def test_weights_cast_once_per_step_train_as_recasting_in_every_call(name):
     (torchao's casts in every call), the same layout: the same run. (Data parallelism is not compared with one
     process here: each micro-batch's tensorwise input scale depends on which samples it holds.)"""
     world, kwargs = CACHED[name]
-    fit = _fit_with_late_gathers if "gather" in name else fit_and_record   # (dp2 only: no shards to join)
-    recast = run_on_ranks(fit, world, dict(kwargs, fp8=_fp8(cache_weights=False)), FUSED, timeout=240)
-    cached = run_on_ranks(fit, world, dict(kwargs, fp8=_fp8()), FUSED, timeout=240)
+    late = "gather" in name   # (dp2 only: no shards to join)
+    recast = run_on_ranks(_fit_counting_cached_calls, world, late, dict(kwargs, fp8=_fp8(cache_weights=False)),
+                          FUSED, timeout=240)
+    cached = run_on_ranks(_fit_counting_cached_calls, world, late, dict(kwargs, fp8=_fp8()), FUSED, timeout=240)
     assert_same_run(cached, recast[0])
+    assert all(out["cached calls"] == 0 for out in recast)
+    assert all(out["cached calls"] > 0 for out in cached), [out["cached calls"] for out in cached]
+
+
+def _fit_counting_cached_calls(late_gathers, *args):
+    """``fit_and_record`` (with late gathers) that also counts the layers' calls that used the cached casts."""
+    from lightning_megatron.quantization import float8_weights
+
+    calls = [0]
+    apply = float8_weights._CachedWeightFloat8Linear.apply
+
+    def counted(*a):
+        calls[0] += 1
+        return apply(*a)
+
+    float8_weights._CachedWeightFloat8Linear.apply = counted
+    out = (_fit_with_late_gathers if late_gathers else fit_and_record)(*args)
+    out["cached calls"] = calls[0]
+    return out
 
 
 def _fit_with_late_gathers(*args, **kwargs):
