@@ -26,6 +26,21 @@ def _torchao(x, w, g, emulate, pow2):
     return out.detach()
 
 
+def _same_as_torchao(w, x, g, emulate, pow2, compiled):
+    """The cached path's output and gradients against torchao's, bit for bit; returns the cast and torchao's
+    gradients (``x.grad`` and ``w.grad`` hold the cached path's)."""
+    ref = _torchao(x, w, g, emulate, pow2)
+    ref_grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    cast = Float8WeightCast(SimpleNamespace(weight=w), pow2, compiled=compiled)
+    cast.refresh()
+    out = cached_float8_linear(x, w, cast.data, cast.data_t, cast.scale, pow2, emulate)
+    out.backward(g)
+    assert out.dtype == x.dtype and torch.equal(out, ref)
+    assert torch.equal(x.grad, ref_grads[0]) and torch.equal(w.grad, ref_grads[1])
+    return cast, ref_grads
+
+
 @pytest.mark.parametrize("emulate", [False, True], ids=["scaled-mm", "emulated"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
 def test_cached_casts_compute_torchaos_float8_linear_bit_for_bit(emulate, pow2):
@@ -35,16 +50,8 @@ def test_cached_casts_compute_torchaos_float8_linear_bit_for_bit(emulate, pow2):
     w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
     x = (torch.randn(2, 16, 64, dtype=torch.bfloat16) * 3).requires_grad_()
     g = torch.randn(2, 16, 48, dtype=torch.bfloat16) * 1e-3
-    ref = _torchao(x, w, g, emulate, pow2)
-    ref_grads = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    cast = Float8WeightCast(SimpleNamespace(weight=w), pow2, compiled=False)
-    cast.refresh()
-    out = cached_float8_linear(x, w, cast.data, cast.data_t, cast.scale, pow2, emulate)
-    out.backward(g)
-    assert torch.equal(out, ref)
-    assert torch.equal(x.grad, ref_grads[0]) and torch.equal(w.grad, ref_grads[1])
-    assert w.grad.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    cast, ref_grads = _same_as_torchao(w, x, g, emulate, pow2, compiled=False)
+    assert w.grad.dtype == torch.bfloat16
 
     w.grad = None   # a frozen weight gets no gradient, an input that needs none gets none
     frozen = w.detach()
@@ -199,14 +206,7 @@ def test_gpu_cached_casts_equal_torchao_and_train_compiled_like_recasting(one_ra
     w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(4, 64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
-    ref = _torchao(x, w, g, False, False)
-    ref_grads = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    cast = Float8WeightCast(SimpleNamespace(weight=w), False, compiled=True)
-    cast.refresh()
-    out = cached_float8_linear(x, w, cast.data, cast.data_t, cast.scale, False, False)
-    out.backward(g)
-    assert torch.equal(out, ref) and torch.equal(x.grad, ref_grads[0]) and torch.equal(w.grad, ref_grads[1])
+    _same_as_torchao(w, x, g, False, False, compiled=True)
 
     from lightning_megatron.distributed.config import GradientConfig
     from lightning_megatron.distributed.gradients import GradientState
