@@ -29,6 +29,7 @@ CACHED = {"dp2-distopt-gather": (2, dict(micro_batch_size=2, **GATHER)),
           "dp2-partial-graphs-distopt-gather": (2, dict(micro_batch_size=2, cuda_graph="partial",
                                                         cuda_graph_backend="eager", **GATHER)),
           "pp2vpp2": LAYOUTS["pp2vpp2"],
+          "tp2sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=2)),
           # the whole step captured (eager backend): the casts made inside it, at each layer's first forward
           "full-graph": (1, dict(micro_batch_size=2, cuda_graph="full", cuda_graph_backend="eager")),
           "pp2-block-graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
