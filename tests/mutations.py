@@ -263,7 +263,7 @@ MUTATIONS: List[Mutation] = [
              (f"{STRATEGY}/test_strategy_features.py::test_partial_graphs_with_dropout_train_like_eager_through_the_trainer",)),
     # float8 weights cast once per schedule: a cast kept past the weights' change, or used outside its schedule
     Mutation("float8-weight-cast-stale", "lightning_megatron/quantization/float8_weights.py",
-             "        weight = self.weight.detach()\n", "        weight = self.weight.detach()\n        if self.data is not None:\n            return\n",
+             "        weight = self._weight()\n", "        weight = self._weight()\n        if self.data is not None:\n            return\n",
              ("tests/unit/quantization/test_fp8_weight_casts.py::test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does",)),
     Mutation("float8-weight-cast-armed-forever", "lightning_megatron/quantization/float8_weights.py",
              "            cast.armed = False\n", "            pass\n",
