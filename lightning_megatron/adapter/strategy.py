@@ -91,7 +91,8 @@ class MegatronStrategy(ShardedCheckpointHooks, EvaluationHooks, ParallelStrategy
             the end of fit call it; a callback reading weights must call it too).
         fp8: train the linear layers in float8 through torchao: ``"tensorwise"``, ``"rowwise"`` or a
             ``lightning_megatron.quantization.float8.Float8Config`` (``None``: off); needs ``pip install
-            'lightning-megatron[fp8]'`` and a GPU of compute capability >= 8.9.
+            'lightning-megatron[fp8]'`` and a GPU of compute capability >= 8.9. Tensorwise: weights cast
+            once a step (2 bytes an element; ``Float8Config(cache_weights=False)``: in every call).
         calculate_per_token_loss: ``training_step`` returns ``{"loss": <sum of token losses>, "num_tokens":
             <their count>}`` and the gradients are divided by the global batch's token count: one process's
             per-token mean however the labelled tokens spread over micro-batches, data and context ranks.
