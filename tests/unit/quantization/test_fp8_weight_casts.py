@@ -13,8 +13,6 @@ from lightning_megatron.quantization import float8_weights
 from lightning_megatron.quantization.float8_weights import Float8WeightCast, cached_float8_linear, float8_weight_casts
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-pytest.importorskip("torchao")
-
 
 def _torchao(x, w, g, emulate, pow2):
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
