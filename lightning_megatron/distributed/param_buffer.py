@@ -73,8 +73,7 @@ class ParamGather:
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    as_one = (getattr(module, "wait_for_params_as_one", False)
-                              or getattr(module, "_compiled_call_impl", None) is not None)   # module.compile()
+                    as_one = waits_as_one(module)
                     if as_one:
                         seen.update(id(m) for m in module.modules())
                     mine = {id(b): (pb, b) for p in module.parameters(recurse=as_one)
@@ -102,6 +101,14 @@ class ParamGather:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def waits_as_one(module: nn.Module) -> bool:
+    """Whether ``module`` waits once, before its own forward, for every parameter below it (its class says so, or
+    it is compiled whole with ``module.compile()``): the rule the gathers' waits and the float8 weights' casts
+    (``quantization/float8_weights.py``) share, so a cast's pre-hook sits on the module whose wait precedes it."""
+    return bool(getattr(module, "wait_for_params_as_one", False)
+                or getattr(module, "_compiled_call_impl", None) is not None)
 
 
 def _waiter(pairs: List[Tuple[ParamBuffer, Bucket]]) -> Any:

@@ -329,8 +329,8 @@ class Float8Matmul:
         if own_weight and cast is not None and cast.ready():   # cast once for this schedule (float8_weights.py)
             assert cast.data is not None and cast.data_t is not None and cast.scale is not None   # ready: cast
             # traced into a compiled layer, or no compile: the function itself; else compiled for this shape
-            eager = torch.compiler.is_compiling() or shape is None
-            fn = _cached_weight_linear if eager or shape is None else _compiled_cached_weight_linear(shape)
+            traced = torch.compiler.is_compiling()
+            fn = _cached_weight_linear if traced or shape is None else _compiled_cached_weight_linear(shape)
             return fn(x, weight, bias, cast.data, cast.data_t, cast.scale, cast.pow2, config.emulate)
         if torch.compiler.is_compiling():   # traced into a larger compiled graph (compile_layers): the eager matmul
             key = (config.recipe, config.emulate, config.round_scales_to_power_of_2)

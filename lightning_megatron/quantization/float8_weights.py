@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from ..distributed.param_buffer import waits_as_one
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -176,15 +178,14 @@ def _cast_of(module: nn.Module) -> Optional[Float8WeightCast]:
 
 
 def _owners(root: nn.Module) -> Dict[nn.Module, List[Float8WeightCast]]:
-    """The module whose pre-hook makes each cast: the outermost one that waits for its parameters as one, or is
-    compiled whole (the rule of ``distributed/param_buffer.py``), else the linear itself."""
+    """The module whose pre-hook makes each cast: the outermost one that waits for its parameters as one
+    (``waits_as_one``, the overlapped gathers' rule), else the linear itself."""
     owners: Dict[nn.Module, List[Float8WeightCast]] = {}
     claimed: set = set()
     for module in root.modules():   # parents before their children
         if id(module) in claimed:
             continue
-        as_one = (getattr(module, "wait_for_params_as_one", False)
-                  or getattr(module, "_compiled_call_impl", None) is not None)
+        as_one = waits_as_one(module)
         casts = float8_weight_casts(module) if as_one else [c for c in [_cast_of(module)] if c is not None]
         if as_one:
             claimed.update(id(m) for m in module.modules())
