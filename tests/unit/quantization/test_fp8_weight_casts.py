@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_megatron.quantization.float8 import Float8Config, enable_fp8
 from lightning_megatron.quantization import float8_weights
-from lightning_megatron.quantization.float8_weights import Float8WeightCast, cached_float8_linear, float8_weight_casts
+from lightning_megatron.quantization.float8_weights import (Float8WeightCast, armed_weight_casts, cached_float8_linear,
+                                                            float8_weight_casts, install_refresh_hooks)
 from lightning_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
@@ -178,7 +179,8 @@ def test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does(one_ran
 
 def test_compiled_layers_trace_the_cached_casts_and_train_as_recasting_does(one_rank):
     """Inside compiled layers (``compile_layers``, the casts traced into each layer's graph): no graph break, one
-    graph for training and one for evaluation, and the same training as recasting in every call."""
+    graph for training and one for evaluation, the graphs reading the casts, and the same training as recasting
+    in every call."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -188,6 +190,21 @@ def test_compiled_layers_trace_the_cached_casts_and_train_as_recasting_does(one_
         counters.clear()
         runs.append(_train(one_rank, cache_weights, {}, compile_layers=True))
         assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # the compiled graphs read the casts (a count of calls would not tell: dynamo traces the function once, its
+    # own way): casts overwritten with zeros but marked ready change what the compiled layers compute
+    model = _tiny_gpt().eval()   # no dropout: the two calls differ only by the casts
+    enable_fp8(model, Float8Config(emulate=True, compile_layers=True))
+    casts, hooks = float8_weight_casts(model), install_refresh_hooks(model)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with armed_weight_casts(casts):
+            honest = model(ids)
+        for cast in casts:
+            cast.data.zero_()
+            cast.armed, cast.stale = True, False
+        assert not torch.equal(model(ids), honest)
+    for hook in hooks:
+        hook.remove()
     (cached, cached_eval, cached_direct), (recast, recast_eval, recast_direct) = runs
     for step, (a, b) in enumerate(zip(cached, recast)):
         for name in b:
