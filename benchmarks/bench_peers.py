@@ -5,13 +5,17 @@
   too (``--tp`` >= 2); ``ours-fp8`` / ``ours-compiled-fp8`` with ``fp8="tensorwise"`` (torchao's float8 linears;
   emulated on the CPU), ``ours-compiled-fp8-out`` with the output layer in float8 too
   (``Float8Config(output_layer=True)``), ``ours-compiled-fp8-recast`` with each weight recast in every call
-  (``Float8Config(cache_weights=False)``; the default casts once per step); ``ours-compiled-nogaf`` with ``gradient_accumulation_fusion=False`` (the default,
-  ``"auto"``, fuses in compiled layers; ``ours-compiled-gaf``, ``True``, is the same there);
+  (``Float8Config(cache_weights=False)``; the default casts once per step); ``ours-compiled-nogaf`` with
+  ``gradient_accumulation_fusion=False`` (the default, ``"auto"``, fuses in compiled layers; ``ours-compiled-gaf``,
+  ``True``, is the same there); a ``-graphs`` word anywhere in the name (``ours-compiled-fp8-graphs``) adds per-block
+  CUDA graphs (``cuda_graph="partial", cuda_graph_scope="block"``; the eager capture backend on the CPU);
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
   ``Trainer(strategy="auto")`` on one GPU; with ``--gpus N``: ``ModelParallelStrategy`` with torchtitan's
-  tensor-parallel plan (``peer-tp``), FSDP2 ``fully_shard`` per block (``peer-fsdp``) or Lightning ``"ddp"``.
+  tensor-parallel plan (``peer-tp``), FSDP2 ``fully_shard`` per block (``peer-fsdp``) or Lightning ``"ddp"``
+  (plain ``peer``/``peer-compiled`` above one GPU: DDP whatever ``--tp`` says). The table's ratios divide the
+  compiled peer of the same layout: ``peer-tp-compiled`` at ``--tp`` > 1, else ``peer-compiled``.
   Ours above one data-parallel rank: the distributed optimizer with overlapped reduce-scatter and gather.
 
 Same shape, tokens per optimizer step (``--batch`` sequences, micro-batches of ``--micro-batch``: ours splits
@@ -227,17 +231,19 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     if ours:
         from lightning_megatron import MegatronStrategy
 
-        fp8 = None
-        if name.endswith(("fp8", "fp8-out", "fp8-recast")):
+        fp8, words = None, set(name.split("-"))
+        if "fp8" in words:
             from lightning_megatron.quantization.float8 import Float8Config
 
-            fp8 = Float8Config("tensorwise", emulate=not cuda, output_layer=name.endswith("fp8-out"),
-                               cache_weights=False if name.endswith("recast") else None)
+            fp8 = Float8Config("tensorwise", emulate=not cuda, output_layer="out" in words,
+                               cache_weights=False if "recast" in words else None)
+        graphs = dict(cuda_graph="partial", cuda_graph_scope="block",
+                      cuda_graph_backend="cuda" if cuda else "eager") if "graphs" in words else {}
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
-                                    tp_comm_overlap=name.endswith("overlap"), fp8=fp8,
+                                    tp_comm_overlap="overlap" in words, fp8=fp8,
                                     micro_batch_size=args.micro_batch, compile_layers=compiled,
                                     use_distributed_optimizer=dp > 1, overlap_grad_reduce=dp > 1,
-                                    overlap_param_gather=dp > 1)
+                                    overlap_param_gather=dp > 1, **graphs)
         batch = per_rank
     else:
         batch = args.micro_batch
@@ -325,6 +331,12 @@ def apply_peer_tp(model: PeerLlama, mesh) -> None:
         })
 
 
+def baseline_name(tp: int, gpus: int) -> str:
+    """The compiled peer of the same layout, which the table's ratios divide: DTensor TP (``peer-tp-compiled``) at
+    ``--tp`` > 1, else ``peer-compiled`` (one GPU, or Lightning's DDP over ``--gpus``)."""
+    return "peer-tp-compiled" if tp > 1 else "peer-compiled"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=list(SHAPES), default="1b")
@@ -374,8 +386,9 @@ def main() -> None:
               f"first {args.warmup} steps {r['first_steps_s']:.0f} s", flush=True)
         if r["kernels"]:
             print(f"  kernels per step: {json.dumps(r['kernels'], indent=1)}", flush=True)
-    base = results.get("peer-compiled")
-    print("\n| configuration | step ms | MFU | peak GiB | speed vs peer-compiled |\n|---|---|---|---|---|")
+    base_name = baseline_name(args.tp, args.gpus)
+    base = results.get(base_name)
+    print(f"\n| configuration | step ms | MFU | peak GiB | speed vs {base_name} |\n|---|---|---|---|---|")
     for name, r in results.items():
         ratio = f"{base['step_ms'] / r['step_ms']:.3f}x" if base else "-"
         print(f"| {name} | {r['step_ms']:.1f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {ratio} |")

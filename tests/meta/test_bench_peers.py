@@ -1,6 +1,8 @@
 """The peer benchmark (issue #32) runs only on lent GPU machines, so its machinery is dry-run here on the CPU (tiny
 shape, gloo): a broken script would otherwise waste that machine's time. Ours at two data-parallel ranks runs the
-distributed optimizer with overlapped reduce-scatter and parameter gathers."""
+distributed optimizer with overlapped reduce-scatter and parameter gathers. At ``--tp 2`` the table's ratios divide
+the tensor-parallel peer (``peer-tp-compiled``), not the DDP one; a ``-graphs`` name runs per-block CUDA graphs (the
+eager capture backend here) with float8 (emulated)."""
 
 import os
 import subprocess
@@ -11,13 +13,16 @@ import pytest
 from helpers.paths import ROOT
 
 
-@pytest.mark.parametrize("gpus,configs", [(1, "ours,peer"), (2, "ours")])
-def test_peer_benchmark_dry_run_on_cpu(gpus, configs):
+@pytest.mark.parametrize("gpus,tp,configs", [(1, 1, "ours,peer"), (2, 1, "ours"), (2, 2, "ours-fp8-graphs")])
+def test_peer_benchmark_dry_run_on_cpu(gpus, tp, configs):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny",
-                           "--accelerator", "cpu", "--gpus", str(gpus), "--configs", configs],
+                           "--accelerator", "cpu", "--gpus", str(gpus), "--tp", str(tp), "--configs", configs,
+                           "--warmup", "2", "--steps", "1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in configs.split(","):
         row = next((line for line in done.stdout.splitlines() if line.startswith(f"| {name} |")), None)
         assert row is not None, done.stdout[-3000:]
         assert float(row.split("|")[2]) > 0, row   # a measured step time, not a failed run's placeholder
+    baseline = "peer-tp-compiled" if tp > 1 else "peer-compiled"
+    assert f"| speed vs {baseline} |" in done.stdout, done.stdout[-3000:]
