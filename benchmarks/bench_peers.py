@@ -8,7 +8,9 @@
   (``Float8Config(cache_weights=False)``; the default casts once per step); ``ours-compiled-nogaf`` with
   ``gradient_accumulation_fusion=False`` (the default, ``"auto"``, fuses in compiled layers; ``ours-compiled-gaf``,
   ``True``, is the same there); a ``-graphs`` word anywhere in the name (``ours-compiled-fp8-graphs``) adds per-block
-  CUDA graphs (``cuda_graph="partial", cuda_graph_scope="block"``; the eager capture backend on the CPU);
+  CUDA graphs (``cuda_graph="partial", cuda_graph_scope="block"``; the eager capture backend on the CPU); an
+  ``-unsplit`` word calls float8 column-parallel linears whole (their input gradient's collective not overlapped
+  with the weight gradient: the path before it was, for an A/B in one call);
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
@@ -237,6 +239,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
             fp8 = Float8Config("tensorwise", emulate=not cuda, output_layer="out" in words,
                                cache_weights=False if "recast" in words else None)
+        if "unsplit" in words:   # A/B: float8 column-parallel linears called whole, their backward not overlapped
+            from lightning_megatron.quantization.float8 import Float8Matmul
+
+            Float8Matmul.split_gemms = lambda self, *args: None   # (this configuration's own processes only)
         graphs = dict(cuda_graph="partial", cuda_graph_scope="block",
                       cuda_graph_backend="cuda" if cuda else "eager") if "graphs" in words else {}
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,

@@ -77,7 +77,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -85,7 +85,8 @@ from torch import nn
 from ..moe.experts import GroupedMLP
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .float8_output import ALIGNMENT, Float8OutputLayer
-from .float8_weights import Float8WeightCast, cached_float8_linear, compiled_for_shape
+from .float8_weights import (Float8WeightCast, cached_float8_linear, cached_forward, cached_input_grad,
+                             cached_weight_grad, cast_output_grad, compiled_for_shape, compiled_piece)
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)           # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
@@ -310,19 +311,9 @@ class Float8Matmul:
                  own_weight: bool = False) -> torch.Tensor:
         """``own_weight``: ``weight`` is the layer's parameter (the one its ``weight_cast`` casts), not a
         tensor made from it."""
-        if x.device.type != "cuda" and not self.config.emulate:
-            raise RuntimeError(f"{self.name}: fp8={self.config.recipe!r} runs float8 GEMMs on a CUDA GPU, but its "
-                               f"input is on {x.device}. Move the model to the GPU or train with fp8=None.")
         if torch.is_autocast_enabled(x.device.type):   # as Float8Linear: the output has the autocast dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        tokens = x.numel() // x.shape[-1] if x.dim() else 0
-        needs_backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if weight.shape[0] % ALIGNMENT or weight.shape[1] % ALIGNMENT or (needs_backward and tokens % ALIGNMENT):
-            raise ValueError(
-                f"{self.name}: fp8={self.config.recipe!r} needs every dimension of its float8 GEMMs to be a multiple "
-                f"of {ALIGNMENT}: weight {tuple(weight.shape)}, {tokens} tokens (batch x sequence of this input). "
-                f"Use a batch size / sequence length whose product is a multiple of {ALIGNMENT}, or leave this "
-                f"layer out (Float8Config(module_filter_fn=...)).")
+        self._check(x, weight, x.numel() // x.shape[-1] if x.dim() else 0)
         config = self.config
         shape = (*weight.shape, bias is not None) if config.compile else None
         cast = self.weight_cast
@@ -338,6 +329,66 @@ class Float8Matmul:
             return fn(x, weight, bias)
         return _float8_linear(config.recipe, config.emulate, config.compile, shape,
                               config.round_scales_to_power_of_2)(x, weight, bias)
+
+    def _check(self, x: torch.Tensor, weight: torch.Tensor, tokens: int) -> None:
+        """One clear error for a GEMM float8 cannot run: on the CPU (unless emulated) or misaligned (``tokens``: the
+        rows of the input it multiplies)."""
+        if x.device.type != "cuda" and not self.config.emulate:
+            raise RuntimeError(f"{self.name}: fp8={self.config.recipe!r} runs float8 GEMMs on a CUDA GPU, but its "
+                               f"input is on {x.device}. Move the model to the GPU or train with fp8=None.")
+        needs_backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if weight.shape[0] % ALIGNMENT or weight.shape[1] % ALIGNMENT or (needs_backward and tokens % ALIGNMENT):
+            raise ValueError(
+                f"{self.name}: fp8={self.config.recipe!r} needs every dimension of its float8 GEMMs to be a multiple "
+                f"of {ALIGNMENT}: weight {tuple(weight.shape)}, {tokens} tokens (batch x sequence of this input). "
+                f"Use a batch size / sequence length whose product is a multiple of {ALIGNMENT}, or leave this "
+                f"layer out (Float8Config(module_filter_fn=...)).")
+
+    # -- the GEMMs one at a time (tensor_parallel.column_backward.SplitGemms), where the weight is cast for the step:
+    # a column-parallel linear then starts its input gradient's collective before the weight gradient's GEMM
+    def split_gemms(self, x: torch.Tensor, weight: torch.Tensor, tokens: int) -> Optional["Float8Matmul"]:
+        """This matmul as :class:`~lightning_megatron.tensor_parallel.column_backward.SplitGemms` for the layer's own
+        ``weight`` when its cast holds it for this schedule (``tokens``: the rows of the gathered input), else
+        None (the layer calls it whole)."""
+        cast = self.weight_cast
+        if cast is None or not cast.ready():
+            return None
+        self._check(x, weight, tokens)
+        return self
+
+    def _piece(self, fn: Callable, *operands: torch.Tensor) -> Callable:
+        """``fn`` compiled for these operands' shapes (``Float8Config.compile``, GPUs), else itself."""
+        if self.config.compile and operands[0].is_cuda:
+            return compiled_piece(fn, tuple(tuple(t.shape) for t in operands))
+        return fn
+
+    def forward_gemm(self, total: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        cast = self.weight_cast
+        assert cast is not None and cast.ready() and cast.data is not None and cast.data_t is not None
+        assert cast.scale is not None
+        out = self._piece(cached_forward, total, cast.data)(total, cast.data, cast.scale, cast.pow2,
+                                                            self.config.emulate)
+        return out, (cast.data, cast.data_t, cast.scale)
+
+    def input_grad_gemm(self, grad: torch.Tensor, weight: torch.Tensor,
+                        saved: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, Any]:
+        data, data_t, scale = saved
+        assert self.weight_cast is not None
+        grad_x, g8, g_scale = self._piece(cached_input_grad, grad, data)(grad, data, data_t, scale,
+                                                                          self.weight_cast.pow2, self.config.emulate)
+        return grad_x, (g8, g_scale)
+
+    def grad_operand(self, grad: torch.Tensor, saved: Tuple[torch.Tensor, ...]) -> Any:
+        assert self.weight_cast is not None
+        return self._piece(cast_output_grad, grad)(grad, self.weight_cast.pow2)
+
+    def weight_grad_gemm(self, operand: Any, total: torch.Tensor, weight: torch.Tensor,
+                         saved: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        g8, g_scale = operand
+        assert self.weight_cast is not None
+        grad_w = self._piece(cached_weight_grad, g8, total)(g8, g_scale, total, self.weight_cast.pow2,
+                                                            self.config.emulate, total.dtype)
+        return grad_w.to(weight.dtype)
 
     def __repr__(self) -> str:
         return self.config.recipe + (" (emulated)" if self.config.emulate else "")

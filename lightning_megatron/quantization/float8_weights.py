@@ -130,6 +130,41 @@ class Float8WeightCast:
         return f"Float8WeightCast({tuple(self._weight().shape)}, armed={self.armed}, stale={self.stale})"
 
 
+def cached_forward(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, pow2: bool,
+                   emulate: bool) -> torch.Tensor:
+    """``x @ Wᵀ`` from ``W``'s cast (``data``, ``scale``): ``x`` cast to e4m3, fast accumulation (torchao's forward)."""
+    x8, x_scale = _to_float8(x, E4M3, pow2)
+    out = _mm(x8.reshape(-1, x.shape[-1]), x_scale, data.t(), scale, x.dtype, True, emulate)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def cast_output_grad(grad: torch.Tensor, pow2: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The output gradient as both backward GEMMs read it: ``[tokens, out]`` in e5m2, and its scale."""
+    return _to_float8(grad.reshape(-1, grad.shape[-1]), E5M2, pow2)
+
+
+def cached_input_grad(grad: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, scale: torch.Tensor,
+                      pow2: bool, emulate: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dX = dY @ W`` (shaped as ``dY`` with ``W``'s input features), and ``dY``'s cast for the weight gradient."""
+    g8, g_scale = cast_output_grad(grad, pow2)
+    w = data if emulate else data_t.t()   # column-major W is the cached Wᵀ, row-major (torchao's emulation
+    grad_x = _mm(g8, g_scale, w, scale, grad.dtype, False, emulate)   # multiplies W in its own layout)
+    return grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), g8, g_scale
+
+
+def cached_weight_grad(g8: torch.Tensor, g_scale: torch.Tensor, x: torch.Tensor, pow2: bool, emulate: bool,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """``dW = dYᵀ @ x`` from ``dY``'s cast, ``x`` cast again (as torchao's backward)."""
+    x8, x_scale = _to_float8(x.reshape(-1, x.shape[-1]), E4M3, pow2)
+    return _mm(g8.t(), g_scale, x8, x_scale, out_dtype, False, emulate)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_piece(fn: Callable, shapes: Tuple[Tuple[int, ...], ...]) -> Callable:
+    """One of the cached path's pieces above compiled for these operand shapes (its casts fused; GPUs)."""
+    return compiled_for_shape(fn, fn.__name__ + "_" + "_".join("x".join(map(str, s)) for s in shapes))
+
+
 class _CachedWeightFloat8Linear(torch.autograd.Function):
     """``x @ weightᵀ`` with ``weight`` already in float8 (both layouts): torchao's tensorwise
     ``matmul_with_hp_or_float8_args`` without its two weight casts."""
@@ -139,24 +174,19 @@ class _CachedWeightFloat8Linear(torch.autograd.Function):
                 scale: torch.Tensor, pow2: bool, emulate: bool) -> torch.Tensor:
         ctx.save_for_backward(x, data, data_t, scale)
         ctx.pow2, ctx.emulate, ctx.weight_dtype = pow2, emulate, weight.dtype
-        x8, x_scale = _to_float8(x, E4M3, pow2)
-        out = _mm(x8.reshape(-1, x.shape[-1]), x_scale, data.t(), scale, x.dtype, True, emulate)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return cached_forward(x, data, scale, pow2, emulate)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, data, data_t, scale = ctx.saved_tensors
         pow2, emulate = ctx.pow2, ctx.emulate
-        g = grad.reshape(-1, grad.shape[-1])
-        g8, g_scale = _to_float8(g, E5M2, pow2)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:   # g [t, out] @ W [out, in]; column-major W is the cached Wᵀ, row-major
-            w = data if emulate else data_t.t()   # (torchao's emulation multiplies W in its own layout)
-            grad_x = _mm(g8, g_scale, w, scale, grad.dtype, False, emulate)
-            grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
-        if ctx.needs_input_grad[1]:   # gᵀ [out, t] @ x [t, in]
-            x8, x_scale = _to_float8(x.reshape(-1, x.shape[-1]), E4M3, pow2)
-            grad_w = _mm(g8.t(), g_scale, x8, x_scale, grad.dtype, False, emulate).to(ctx.weight_dtype)
+        if ctx.needs_input_grad[0]:
+            grad_x, g8, g_scale = cached_input_grad(grad, data, data_t, scale, pow2, emulate)
+        else:
+            g8, g_scale = cast_output_grad(grad, pow2)
+        if ctx.needs_input_grad[1]:
+            grad_w = cached_weight_grad(g8, g_scale, x, pow2, emulate, grad.dtype).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None, None
 
 
@@ -243,5 +273,6 @@ def ready_for_capture(casts: Sequence[Float8WeightCast]) -> Iterator[None]:
             cast.stale = was
 
 
-__all__ = ["Float8WeightCast", "armed_weight_casts", "cached_float8_linear", "float8_weight_casts",
-           "install_refresh_hooks", "ready_for_capture"]
+__all__ = ["Float8WeightCast", "armed_weight_casts", "cached_float8_linear", "cached_forward", "cached_input_grad",
+           "cached_weight_grad", "cast_output_grad", "compiled_piece", "float8_weight_casts", "install_refresh_hooks",
+           "ready_for_capture"]

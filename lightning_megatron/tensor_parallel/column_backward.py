@@ -8,6 +8,9 @@ for it. Here one autograd function does the whole layer: ``dX``, its collective 
 it on its own stream), ``dW`` while it travels, then the wait: Megatron-Core's overlap of the input-gradient
 communication with the weight-gradient GEMM. The same GEMMs and the same collective as the plain path.
 
+The local GEMMs are ``F.linear``'s, or a layer's float8 matmul when it offers them one at a time
+(:class:`SplitGemms`: the float8 path with the weight cast once per step), so float8 layers overlap the same way.
+
 The function runs eagerly under ``torch.compile`` (a graph break, like every collective of ``mappings``). A forward
 under CUDA-graph capture keeps its backward's collective in stream order (as the plain path).
 
@@ -18,7 +21,7 @@ GEMM and a copy-engine reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,15 +33,43 @@ from .grad_accumulation import accumulate_weight_grad
 from .mappings import eager_under_compile, gather_along_dim
 from .utils import in_autocast_dtype
 
+class SplitGemms(Protocol):
+    """A layer's local matmul ``total @ weightᵀ`` whose backward runs as two GEMMs this module calls in turn: the input
+    gradient's, then (after its collective started) the weight gradient's. ``saved``: the tensors ``forward_gemm``
+    returned beside its output (saved for the backward)."""
+
+    def forward_gemm(self, total: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """The output (without bias) and the tensors the backward GEMMs read besides ``total`` and ``weight``."""
+
+    def input_grad_gemm(self, grad: torch.Tensor, weight: torch.Tensor,
+                        saved: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, Any]:
+        """``grad @ weight`` (shaped as ``grad`` with the weight's input features), and ``grad`` as the weight
+        gradient's GEMM reads it (made once for both)."""
+
+    def grad_operand(self, grad: torch.Tensor, saved: Tuple[torch.Tensor, ...]) -> Any:
+        """``grad`` as the weight gradient's GEMM reads it, when no input gradient was computed."""
+
+    def weight_grad_gemm(self, operand: Any, total: torch.Tensor, weight: torch.Tensor,
+                         saved: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``gradᵀ @ total`` in ``weight``'s dtype."""
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """``F.linear(all_gather(x) if sequence_parallel else x, weight, bias)``; backward as the module says."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, sequence_parallel: bool,
-                accumulate_into: Optional[Tuple[torch.Tensor]]) -> torch.Tensor:
+                accumulate_into: Optional[Tuple[torch.Tensor]], gemms: Optional[SplitGemms]) -> torch.Tensor:
         total = gather_along_dim(x, 0, group) if sequence_parallel else x
-        ctx.save_for_backward(total, weight)
+        saved: Tuple[torch.Tensor, ...] = ()
+        if gemms is None:
+            out = F.linear(total, weight, bias)
+        else:
+            out, saved = gemms.forward_gemm(total, weight)
+            out = out if bias is None else out + bias.to(out.dtype)
+        ctx.save_for_backward(total, weight, *saved)
+        ctx.gemms = gemms
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         # under CUDA-graph capture the collectives stay ordered on the capturing stream (no second stream to join),
         # and the weight gradient is returned (the capture would freeze the Python that picks its target)
@@ -46,16 +77,21 @@ class _ColumnParallelLinear(torch.autograd.Function):
         ctx.overlap = not capturing
         ctx.carveout = wgrad_sm_carveout() if x.is_cuda and ctx.overlap else None
         ctx.copy_engine = x.is_cuda and ctx.overlap and sequence_parallel and copy_engine_reduce_scatter()
-        ctx.accumulate_into = None if capturing else accumulate_into
-        return F.linear(total, weight, bias)
+        ctx.accumulate_into = None if capturing or gemms is not None else accumulate_into
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        total, weight = ctx.saved_tensors
+        total, weight, *saved = ctx.saved_tensors
+        gemms: Optional[SplitGemms] = ctx.gemms
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_x, work, pending = None, None, None
+        grad_x, work, pending, operand = None, None, None, None
         if ctx.needs_input_grad[0]:
-            partial = flat.mm(weight).view(*total.shape)
+            if gemms is None:
+                partial = flat.mm(weight).view(*total.shape)
+            else:
+                partial, operand = gemms.input_grad_gemm(grad, weight, tuple(saved))
+                partial = partial.view(*total.shape)
             if ctx.copy_engine:
                 pending = start_copy_engine_reduce_scatter(partial, ctx.group)
             elif ctx.sequence_parallel:
@@ -69,6 +105,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
         with sm_carveout(ctx.carveout if work is not None or pending is not None else None):
             if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
                 accumulate_weight_grad(ctx.accumulate_into[0], total, grad)
+            elif ctx.needs_input_grad[1] and gemms is not None:
+                operand = gemms.grad_operand(grad, tuple(saved)) if operand is None else operand
+                grad_w = gemms.weight_grad_gemm(operand, total, weight, tuple(saved))
             elif ctx.needs_input_grad[1]:
                 grad_w = flat.t().mm(total.reshape(-1, total.shape[-1]))
         grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -76,18 +115,20 @@ class _ColumnParallelLinear(torch.autograd.Function):
             work.wait()
         if pending is not None:
             grad_x = torch.ops._c10d_functional.wait_tensor(pending)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 @eager_under_compile   # one graph break for the casts and the function (not a break inside an autocast region)
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            group: dist.ProcessGroup, sequence_parallel: bool,
-                           accumulate_into: Optional[Tuple[torch.Tensor]] = None) -> torch.Tensor:
-    """A column-parallel linear's forward at tensor-parallel size > 1: ``F.linear`` of the all-gathered
-    (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the module).
-    ``accumulate_into``: ``(the weight parameter,)`` whose gradient the backward's GEMM accumulates
-    (``grad_accumulation.py``), or None (the gradient returned to autograd)."""
+                           accumulate_into: Optional[Tuple[torch.Tensor]] = None,
+                           gemms: Optional[SplitGemms] = None) -> torch.Tensor:
+    """A column-parallel linear's forward at tensor-parallel size > 1: ``F.linear`` (or ``gemms``) of the
+    all-gathered (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the
+    module). ``accumulate_into``: ``(the weight parameter,)`` whose gradient the backward's GEMM accumulates
+    (``grad_accumulation.py``; ``F.linear``'s GEMMs only), or None (the gradient returned to autograd)."""
     bias = None if bias is None else in_autocast_dtype(bias, x)
-    x, weight = in_autocast_dtype(x, x), in_autocast_dtype(weight, x)
+    # (split GEMMs read their own operands, a float8 cast of the weight: it is not copied to the autocast dtype)
+    x, weight = in_autocast_dtype(x, x), weight if gemms is not None else in_autocast_dtype(weight, x)
     with torch.autocast(x.device.type, enabled=False):
-        return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel, accumulate_into)
+        return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel, accumulate_into, gemms)

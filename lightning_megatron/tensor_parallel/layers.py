@@ -29,7 +29,7 @@ from .mappings import (
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, resolve_group, scatter_to_tensor_parallel_region,
 )
-from .column_backward import column_parallel_linear
+from .column_backward import SplitGemms, column_parallel_linear
 from .comm_overlap import all_gather_linear, linear_reduce_scatter
 from .deferred_wgrad import deferrable_linear
 from .grad_accumulation import accumulating_linear
@@ -186,7 +186,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
             out = all_gather_linear(x, self.weight, None if self.skip_bias_add else self.bias, group)
             return (out, self.bias) if self.skip_bias_add else out
         bias = None if self.skip_bias_add else self.bias
-        if self._backward_overlapped():
+        gemms = self._split_gemms(x)
+        if gemms is not None:
+            out = column_parallel_linear(x, self.weight, bias, group, self.sequence_parallel, None, gemms)
+        elif self._backward_overlapped():
             accumulate_into = (self.weight,) if self.accumulate_weight_grads else None
             out = column_parallel_linear(x, self.weight, bias, group, self.sequence_parallel, accumulate_into)
         else:
@@ -203,6 +206,16 @@ class ColumnParallelLinear(_TensorParallelLinear):
         """Whether the input gradient's collective overlaps the weight gradient (``column_backward.py``): at
         tensor-parallel size > 1 with the plain matmul (float8 and deferred weight gradients have their own)."""
         return self.tp_size > 1 and self.float8 is None and not self.defer_weight_grad
+
+    def _split_gemms(self, x: torch.Tensor) -> Optional[SplitGemms]:
+        """The float8 matmul's GEMMs one at a time, so its input gradient's collective overlaps the weight gradient
+        too (``column_backward.py``): at tensor-parallel size > 1 where it offers them (its weight cast for this
+        step), else None."""
+        split = getattr(self.float8, "split_gemms", None)
+        if self.tp_size == 1 or split is None or self.defer_weight_grad:
+            return None
+        tokens = x.numel() // x.shape[-1] * (self.tp_size if self.sequence_parallel else 1)   # the gathered input's
+        return split(x, self.weight, tokens)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (per rank {self.output_size_per_partition}), "
