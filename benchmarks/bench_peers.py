@@ -337,6 +337,24 @@ def apply_peer_tp(model: PeerLlama, mesh) -> None:
         })
 
 
+PEERS = ("peer", "peer-compiled", "peer-tp", "peer-tp-compiled", "peer-fsdp", "peer-fsdp-compiled")
+OURS_WORDS = ("compiled", "fp8", "out", "recast", "unsplit", "graphs", "overlap", "gaf", "nogaf")
+
+
+def check_config(name: str) -> None:
+    """A configuration name this script knows, else one error naming the word it does not (a typo would otherwise
+    measure another configuration than the one named)."""
+    if name in PEERS:
+        return
+    first, *words = name.split("-")
+    unknown = [w for w in words if w not in OURS_WORDS]
+    if first == "ours" and not unknown:
+        return
+    why = f"unknown words: {', '.join(unknown)}" if first == "ours" else "neither ours-... nor a peer"
+    raise SystemExit(f"--configs: unknown configuration {name!r} ({why}); use ours-<words> with words among "
+                     f"{', '.join(OURS_WORDS)}, or one of {', '.join(PEERS)}")
+
+
 def baseline_name(tp: int, gpus: int) -> str:
     """The compiled peer of the same layout, which the table's ratios divide: DTensor TP (``peer-tp-compiled``) at
     ``--tp`` > 1, else ``peer-compiled`` (one GPU, or Lightning's DDP over ``--gpus``)."""
@@ -368,6 +386,8 @@ def main() -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print_result(result)
         return
+    for name in args.configs.split(","):
+        check_config(name)
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.accelerator == "gpu" else "CPU"
     print(f"device: {args.gpus}x {device}  torch {torch.__version__}  shape {args.shape} {SHAPES[args.shape]}  "

@@ -26,3 +26,12 @@ def test_peer_benchmark_dry_run_on_cpu(gpus, tp, configs):
         assert float(row.split("|")[2]) > 0, row   # a measured step time, not a failed run's placeholder
     baseline = "peer-tp-compiled" if tp > 1 else "peer-compiled"
     assert f"| speed vs {baseline} |" in done.stdout, done.stdout[-3000:]
+
+
+def test_an_unknown_configuration_is_refused_before_anything_runs():
+    """A typo (``-graph`` for ``-graphs``) would otherwise measure another configuration than the one named."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny",
+                           "--accelerator", "cpu", "--configs", "ours,ours-compiled-fp8-graph"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0 and "unknown words: graph" in done.stderr, done.stderr[-2000:]
+    assert "ms/step" not in done.stdout
