@@ -280,6 +280,15 @@ MUTATIONS: List[Mutation] = [
              "        if own_weight and cast is not None and cast.ready():",
              "        if own_weight and cast is not None and cast.ready() and not torch.compiler.is_compiling():",
              ("tests/unit/quantization/test_fp8_weight_casts.py::test_compiled_layers_trace_the_cached_casts_and_train_as_recasting_does",)),
+    # evaluation casts the forward layout only; training must cast both
+    Mutation("float8-weight-cast-transposed-never", "lightning_megatron/quantization/float8_weights.py",
+             "                cast.refresh(transposed=not cast.forward_only)\n",
+             "                cast.refresh(transposed=False)\n",
+             ("tests/unit/quantization/test_fp8_weight_casts.py::test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does",)),
+    Mutation("float8-weight-cast-evaluation-transposes", "lightning_megatron/engine/step.py",
+             "        with armed_weight_casts(self.weight_casts, forward_only):",
+             "        with armed_weight_casts(self.weight_casts):",
+             ("tests/unit/quantization/test_fp8_weight_casts.py::test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does",)),
     # float8 column-parallel linears: the input gradient's collective started between the two backward GEMMs
     Mutation("float8-column-split-never-taken", "lightning_megatron/quantization/float8.py",
              "        self._check(x, weight, tokens)\n        return self\n",

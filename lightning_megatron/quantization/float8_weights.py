@@ -62,13 +62,14 @@ def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.
                             use_fast_accum=fast_accum)
 
 
-def _refresh(weight: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, scale: torch.Tensor,
+def _refresh(weight: torch.Tensor, data: torch.Tensor, data_t: Optional[torch.Tensor], scale: torch.Tensor,
              pow2: bool) -> None:
-    """Write ``weight``'s float8 cast into ``data`` (its layout) and ``data_t`` (transposed), its scale into
-    ``scale``: one pass over the weight when compiled."""
+    """Write ``weight``'s float8 cast into ``data`` (its layout) and ``data_t`` (transposed; None: not that one),
+    its scale into ``scale``: one pass over the weight when compiled."""
     cast, s = _to_float8(weight, E4M3, pow2)
     data.copy_(cast)
-    data_t.copy_(cast.t())
+    if data_t is not None:
+        data_t.copy_(cast.t())
     scale.copy_(s)
 
 
@@ -84,28 +85,32 @@ def compiled_for_shape(fn: Callable, name: str) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_refresh(shape: Tuple[int, ...]) -> Callable[..., None]:
-    """:func:`_refresh` compiled for one weight shape."""
-    return compiled_for_shape(_refresh, "float8_weight_cast_" + "_".join(map(str, shape)))
+def _compiled_refresh(shape: Tuple[int, ...], transposed: bool) -> Callable[..., None]:
+    """:func:`_refresh` compiled for one weight shape, writing the transposed cast or not."""
+    name = "float8_weight_cast_" + "_".join(map(str, shape)) + ("" if transposed else "_forward_only")
+    return compiled_for_shape(_refresh, name)
 
 
 class Float8WeightCast:
     """The weight of ``linear`` in float8 for the schedule that runs now: ``data [out, in]`` and ``data_t [in, out]``
     (row-major each), and its scale. ``armed`` while a schedule runs (set by :func:`armed_weight_casts`);
-    ``stale`` until the owner's pre-hook has cast the weight for it. The layer uses the casts only when armed
-    and not stale (:meth:`ready`). The weight is read from the layer at each cast (a parameter replaced after
-    ``enable_fp8`` is the one cast)."""
+    ``stale`` until the owner's pre-hook has cast the weight for it; ``forward_only`` for a schedule without
+    backward (evaluation), whose casts skip ``data_t`` (only the input gradient reads it). The layer uses the casts
+    only when armed and not stale (:meth:`ready`). The weight is read from the layer at each cast (a parameter
+    replaced after ``enable_fp8`` is the one cast)."""
 
     def __init__(self, linear: nn.Module, pow2: bool = False, compiled: bool = True) -> None:
         self.linear, self.pow2, self.compiled = linear, pow2, compiled
         self.armed = False
         self.stale = True
+        self.forward_only = False
         self.data: Optional[torch.Tensor] = None
         self.data_t: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
 
-    def refresh(self) -> None:
-        """Cast the weight as it is now, into the same buffers each time (allocated at the first call)."""
+    def refresh(self, transposed: bool = True) -> None:
+        """Cast the weight as it is now, into the same buffers each time (allocated at the first call); ``data_t``
+        too unless not ``transposed``."""
         weight = self._weight()
         if self.data is None or self.data.shape != weight.shape or self.data.device != weight.device:
             rows, cols = weight.shape
@@ -113,9 +118,9 @@ class Float8WeightCast:
             self.data_t = torch.empty(cols, rows, dtype=E4M3, device=weight.device)
             self.scale = torch.empty((), dtype=torch.float32, device=weight.device)
         assert self.data_t is not None and self.scale is not None
-        refresh = _compiled_refresh(tuple(weight.shape)) if self.compiled and weight.is_cuda else _refresh
+        refresh = _compiled_refresh(tuple(weight.shape), transposed) if self.compiled and weight.is_cuda else _refresh
         with torch.no_grad():
-            refresh(weight, self.data, self.data_t, self.scale, self.pow2)
+            refresh(weight, self.data, self.data_t if transposed else None, self.scale, self.pow2)
 
     def _weight(self) -> torch.Tensor:
         weight = self.linear.weight
@@ -238,17 +243,18 @@ def _refresher_hook(casts: List[Float8WeightCast]) -> Callable[..., None]:
     def cast_stale_weights(module: nn.Module, args: Any) -> None:
         for cast in casts:
             if cast.armed and cast.stale:
-                cast.refresh()
+                cast.refresh(transposed=not cast.forward_only)
                 cast.stale = False
     return cast_stale_weights
 
 
 @contextlib.contextmanager
-def armed_weight_casts(casts: Sequence[Float8WeightCast]) -> Iterator[None]:
+def armed_weight_casts(casts: Sequence[Float8WeightCast], forward_only: bool = False) -> Iterator[None]:
     """Let the layers use their weights' casts for one schedule (the weights do not change inside it): each is made
-    by its owner's pre-hook at the owner's first forward (:func:`install_refresh_hooks`)."""
+    by its owner's pre-hook at the owner's first forward (:func:`install_refresh_hooks`); for a ``forward_only``
+    schedule in the forward GEMM's layout only."""
     for cast in casts:
-        cast.armed, cast.stale = True, True
+        cast.armed, cast.stale, cast.forward_only = True, True, forward_only
     try:
         yield
     finally:

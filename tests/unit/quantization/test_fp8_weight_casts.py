@@ -62,6 +62,21 @@ def test_cached_casts_compute_torchaos_float8_linear_bit_for_bit(emulate, pow2):
     assert x2.grad is None and torch.equal(w.grad, ref_grads[1])
 
 
+def test_a_forward_only_cast_leaves_the_transposed_one_as_it_was():
+    torch.manual_seed(0)
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    cast = Float8WeightCast(SimpleNamespace(weight=w), compiled=False)
+    cast.refresh()
+    before = cast.data_t.clone()
+    w.mul_(3)
+    cast.refresh(transposed=False)
+    expected, scale = float8_weights._to_float8(w, float8_weights.E4M3, False)
+    assert torch.equal(cast.data.float(), expected.float()) and torch.equal(cast.scale, scale)
+    assert torch.equal(cast.data_t.float(), before.float())
+    cast.refresh()
+    assert torch.equal(cast.data_t.float(), expected.float().t())
+
+
 def test_the_option_and_which_layers_cache(one_rank):
     with pytest.raises(ValueError, match="Float8Config.cache_weights must be True, False or None"):
         Float8Config(cache_weights="yes")
@@ -148,12 +163,13 @@ def test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does(one_ran
     """With the weights cast once per schedule, training equals recasting in every call bit for bit (dropout on, a
     weight changed by hand between steps, four micro-batches a step), evaluation and a direct call too; each weight
     is cast once per schedule and every linear's micro-batches use the cast."""
-    calls = {"refresh": 0, "cached": 0}
+    calls = {"refresh": 0, "transposed": 0, "cached": 0}
     refresh, apply = Float8WeightCast.refresh, float8_weights._CachedWeightFloat8Linear.apply
 
-    def counted_refresh(self):
+    def counted_refresh(self, transposed=True):
         calls["refresh"] += 1
-        return refresh(self)
+        calls["transposed"] += transposed
+        return refresh(self, transposed)
 
     def counted_apply(*args):
         calls["cached"] += 1
@@ -172,9 +188,11 @@ def test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does(one_ran
     assert not torch.equal(cached[0][0]["decoder.layers.0.mlp.fc1.weight"],
                            cached[0][1]["decoder.layers.0.mlp.fc1.weight"])
     linears = 2 * 4   # per layer: the fused qkv projection, the attention's output, fc1, fc2
-    # three training schedules and (in `calls` only after) one evaluation schedule
-    assert calls["schedule"] == {"refresh": 3 * linears, "cached": 3 * 4 * linears}, calls
+    # three training schedules and (in `calls` only after) one evaluation schedule, which casts in the forward
+    # GEMM's layout only (no backward reads the transposed cast)
+    assert calls["schedule"] == {"refresh": 3 * linears, "transposed": 3 * linears, "cached": 3 * 4 * linears}, calls
     assert calls["refresh"] == 4 * linears and calls["cached"] == (3 * 4 + 4) * linears, calls
+    assert calls["transposed"] == 3 * linears, calls
 
 
 def test_compiled_layers_trace_the_cached_casts_and_train_as_recasting_does(one_rank):
