@@ -270,7 +270,8 @@ MUTATIONS: List[Mutation] = [
              ("tests/unit/quantization/test_fp8_weight_casts.py::test_the_engine_casts_once_per_schedule_and_trains_as_recasting_does",)),
     # ... or made at the schedule's start, before the overlapped parameter gather has brought the weights back
     Mutation("float8-weight-cast-before-param-gather", "lightning_megatron/quantization/float8_weights.py",
-             "        cast.armed, cast.stale = True, True\n", "        cast.refresh()\n        cast.armed, cast.stale = True, False\n",
+             "        cast.armed, cast.stale, cast.forward_only = True, True, forward_only\n",
+             "        cast.refresh()\n        cast.armed, cast.stale, cast.forward_only = True, False, forward_only\n",
              ("tests/integration/strategy/test_fp8_updates.py::test_weights_cast_once_per_step_train_as_recasting_in_every_call[dp2-distopt-gather]",)),
     Mutation("param-gather-waits-after-other-pre-hooks", "lightning_megatron/distributed/param_buffer.py",
              "                                                                            prepend=True))",
