@@ -2,7 +2,7 @@
 shape, gloo): a broken script would otherwise waste that machine's time. Ours at two data-parallel ranks runs the
 distributed optimizer with overlapped reduce-scatter and parameter gathers. At ``--tp 2`` the table's ratios divide
 the tensor-parallel peer (``peer-tp-compiled``), not the DDP one; a ``-graphs`` name runs per-block CUDA graphs (the
-eager capture backend here) with float8 (emulated)."""
+eager capture backend here) with float8 (emulated); the tensor-parallel peer (DTensor, torchtitan's plan) runs too."""
 
 import os
 import subprocess
@@ -13,7 +13,8 @@ import pytest
 from helpers.paths import ROOT
 
 
-@pytest.mark.parametrize("gpus,tp,configs", [(1, 1, "ours,peer"), (2, 1, "ours"), (2, 2, "ours-fp8-graphs,ours-fp8-unsplit")])
+@pytest.mark.parametrize("gpus,tp,configs", [(1, 1, "ours,peer"), (2, 1, "ours"),
+                                             (2, 2, "ours-fp8-graphs,ours-fp8-unsplit,peer-tp")])
 def test_peer_benchmark_dry_run_on_cpu(gpus, tp, configs):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny",
                            "--accelerator", "cpu", "--gpus", str(gpus), "--tp", str(tp), "--configs", configs,
