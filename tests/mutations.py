@@ -498,11 +498,11 @@ MUTATIONS: List[Mutation] = [
              (f"{UPDATES}[tp2sp-commoverlap]",), ci=False),
     # column-parallel linears: the input gradient's collective, overlapped with the weight gradient
     Mutation("column-backward-input-grad-not-reduce-scattered", "lightning_megatron/tensor_parallel/column_backward.py",
-             "                work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=ctx.overlap)\n",
+             "                work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=True)\n",
              "                grad_x = partial.chunk(size)[dist.get_rank(ctx.group)]\n",
              (f"{UPDATES}[tp2sp]",), ci=False),
     Mutation("column-backward-input-grad-not-all-reduced", "lightning_megatron/tensor_parallel/column_backward.py",
-             "                work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)\n", "",
+             "                work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)\n", "",
              (f"{UPDATES}[tp2]",), ci=False),
     # a launcher's SIGTERM shortens the wait for a silent peer
     Mutation("sigterm-ignored-by-the-dead-rank-check", "lightning_megatron/distributed/hang.py",

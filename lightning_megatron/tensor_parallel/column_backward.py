@@ -11,8 +11,9 @@ communication with the weight-gradient GEMM. The same GEMMs and the same collect
 The local GEMMs are ``F.linear``'s, or a layer's float8 matmul when it offers them one at a time
 (:class:`SplitGemms`: the float8 path with the weight cast once per step), so float8 layers overlap the same way.
 
-The function runs eagerly under ``torch.compile`` (a graph break, like every collective of ``mappings``). A forward
-under CUDA-graph capture keeps its backward's collective in stream order (as the plain path).
+The function runs eagerly under ``torch.compile`` (a graph break, like every collective of ``mappings``). Under
+CUDA-graph capture the backward overlaps the same way: the asynchronous collective forks NCCL's stream from the
+capturing stream and its wait joins it back before the capture ends, so the graph holds both branches.
 
 Whether the collective really runs beside the GEMM is the GPU's business (cuBLAS's persistent kernels can take every
 SM before NCCL's kernel starts): ``backward_overlap.py`` has two switches for measuring it, an SM carve-out for the
@@ -71,12 +72,12 @@ class _ColumnParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(total, weight, *saved)
         ctx.gemms = gemms
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        # under CUDA-graph capture the collectives stay ordered on the capturing stream (no second stream to join),
-        # and the weight gradient is returned (the capture would freeze the Python that picks its target)
+        # under CUDA-graph capture the collective overlaps too (NCCL's stream forks from the capturing one and is
+        # joined by the wait, inside the capture); the switches for measuring stay off there, and the weight
+        # gradient is returned (the capture would freeze the Python that picks its target)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        ctx.overlap = not capturing
-        ctx.carveout = wgrad_sm_carveout() if x.is_cuda and ctx.overlap else None
-        ctx.copy_engine = x.is_cuda and ctx.overlap and sequence_parallel and copy_engine_reduce_scatter()
+        ctx.carveout = wgrad_sm_carveout() if x.is_cuda and not capturing else None
+        ctx.copy_engine = x.is_cuda and not capturing and sequence_parallel and copy_engine_reduce_scatter()
         ctx.accumulate_into = None if capturing or gemms is not None else accumulate_into
         return out
 
@@ -97,10 +98,10 @@ class _ColumnParallelLinear(torch.autograd.Function):
             elif ctx.sequence_parallel:
                 size = dist.get_world_size(ctx.group)
                 grad_x = partial.new_empty((partial.shape[0] // size,) + tuple(partial.shape[1:]))
-                work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=ctx.overlap)
+                work = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=True)
             else:
                 grad_x = partial
-                work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
+                work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         grad_w = None
         with sm_carveout(ctx.carveout if work is not None or pending is not None else None):
             if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, init_method_normal
+from ..tensor_parallel.column_backward import column_parallel_linear
 from ..tensor_parallel.comm_overlap import all_gather_linear
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
@@ -144,6 +145,13 @@ class SelfAttention(nn.Module):
         if self.q._overlapped():   # one overlapped gather-and-matmul for queries, keys and values
             both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
             mixed = all_gather_linear(hidden, torch.cat([self.q.weight, weight]), both, group)
+            q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
+        elif self.q._backward_overlapped() and self.kv._backward_overlapped():
+            # one column-parallel linear for queries, keys and values: the input gradient's collective runs while
+            # their weight gradient is computed (column_backward.py), as in every other column-parallel linear
+            both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
+            mixed = column_parallel_linear(hidden, torch.cat([self.q.weight, weight]), both, group,
+                                           self.q.sequence_parallel)
             q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
         else:
             if self.q.sequence_parallel:
