@@ -9,8 +9,10 @@
   ``gradient_accumulation_fusion=False`` (the default, ``"auto"``, fuses in compiled layers; ``ours-compiled-gaf``,
   ``True``, is the same there); a ``-graphs`` word anywhere in the name (``ours-compiled-fp8-graphs``) adds per-block
   CUDA graphs (``cuda_graph="partial", cuda_graph_scope="block"``; the eager capture backend on the CPU); an
-  ``-unsplit`` word calls float8 column-parallel linears whole (their input gradient's collective not overlapped
-  with the weight gradient: the path before it was, for an A/B in one call);
+  ``-unsplit`` word calls float8 column-parallel linears whole under graphs too (their input gradient's collective
+  not overlapped with the weight gradient; they split only in graphs), ``-qkvapart`` runs grouped-query
+  attention's q and kv as two linears on one gathered input (not overlapped: the path before the overlap), each
+  for an A/B in one call;
 - ``peer`` / ``peer-compiled``: a torchtitan-style plain Llama written here (``PeerLlama``: nn.Linear
   projections, ``nn.RMSNorm``, complex-number RoPE from precomputed ``freqs_cis``, SDPA with GQA, SwiGLU, the
   loss on float32 logits), eager or with each block ``torch.compile``d as torchtitan does, through
@@ -243,6 +245,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             from lightning_megatron.quantization.float8 import Float8Matmul
 
             Float8Matmul.split_gemms = lambda self, *args: None   # (this configuration's own processes only)
+        if "qkvapart" in words:   # A/B: queries and keys/values as two linears on one gathered input, not overlapped
+            from lightning_megatron.transformer.attention import SelfAttention
+
+            SelfAttention._one_column_linear = lambda self: False   # (this configuration's own processes only)
         graphs = dict(cuda_graph="partial", cuda_graph_scope="block",
                       cuda_graph_backend="cuda" if cuda else "eager") if "graphs" in words else {}
         strategy = MegatronStrategy(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
@@ -338,7 +344,7 @@ def apply_peer_tp(model: PeerLlama, mesh) -> None:
 
 
 PEERS = ("peer", "peer-compiled", "peer-tp", "peer-tp-compiled", "peer-fsdp", "peer-fsdp-compiled")
-OURS_WORDS = ("compiled", "fp8", "out", "recast", "unsplit", "graphs", "overlap", "gaf", "nogaf")
+OURS_WORDS = ("compiled", "fp8", "out", "recast", "unsplit", "qkvapart", "graphs", "overlap", "gaf", "nogaf")
 
 
 def check_config(name: str) -> None:

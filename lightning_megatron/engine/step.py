@@ -305,7 +305,8 @@ class StepEngine:
             # ranks' shares of each sequence, so their gradients are multiplied back by cp.
             set_aux_loss_scale(self.routers, aux_loss_scale * state.cp_size / len(microbatches))
         # the float8 weights, cast once for all the micro-batches (inside a full-step graph: captured with them)
-        with armed_weight_casts(self.weight_casts, forward_only):
+        graphed = (self.partial_graphs is not None or self.full_graph is not None) and not forward_only
+        with armed_weight_casts(self.weight_casts, forward_only, graphed):
             if self.partial_graphs is not None and not forward_only:
                 # per-layer graphs replay in exactly the order this schedule runs the layers
                 with ready_for_capture(self.weight_casts):

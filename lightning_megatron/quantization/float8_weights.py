@@ -95,8 +95,9 @@ class Float8WeightCast:
     """The weight of ``linear`` in float8 for the schedule that runs now: ``data [out, in]`` and ``data_t [in, out]``
     (row-major each), and its scale. ``armed`` while a schedule runs (set by :func:`armed_weight_casts`);
     ``stale`` until the owner's pre-hook has cast the weight for it; ``forward_only`` for a schedule without
-    backward (evaluation), whose casts skip ``data_t`` (only the input gradient reads it). The layer uses the casts
-    only when armed and not stale (:meth:`ready`). The weight is read from the layer at each cast (a parameter
+    backward (evaluation), whose casts skip ``data_t`` (only the input gradient reads it); ``graphed`` for a schedule
+    run in CUDA graphs (its host work is not replayed, so a column-parallel linear may call its float8 GEMMs one at a
+    time, see ``Float8Matmul.split_gemms``). The layer uses the casts only when armed and not stale (:meth:`ready`). The weight is read from the layer at each cast (a parameter
     replaced after ``enable_fp8`` is the one cast)."""
 
     def __init__(self, linear: nn.Module, pow2: bool = False, compiled: bool = True) -> None:
@@ -104,6 +105,7 @@ class Float8WeightCast:
         self.armed = False
         self.stale = True
         self.forward_only = False
+        self.graphed = False
         self.data: Optional[torch.Tensor] = None
         self.data_t: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
@@ -249,12 +251,13 @@ def _refresher_hook(casts: List[Float8WeightCast]) -> Callable[..., None]:
 
 
 @contextlib.contextmanager
-def armed_weight_casts(casts: Sequence[Float8WeightCast], forward_only: bool = False) -> Iterator[None]:
+def armed_weight_casts(casts: Sequence[Float8WeightCast], forward_only: bool = False,
+                       graphed: bool = False) -> Iterator[None]:
     """Let the layers use their weights' casts for one schedule (the weights do not change inside it): each is made
     by its owner's pre-hook at the owner's first forward (:func:`install_refresh_hooks`); for a ``forward_only``
-    schedule in the forward GEMM's layout only."""
+    schedule in the forward GEMM's layout only; ``graphed``: the schedule runs in CUDA graphs."""
     for cast in casts:
-        cast.armed, cast.stale, cast.forward_only = True, True, forward_only
+        cast.armed, cast.stale, cast.forward_only, cast.graphed = True, True, forward_only, graphed
     try:
         yield
     finally:

@@ -127,6 +127,12 @@ class SelfAttention(nn.Module):
                 # each tp rank's heads give a partial gradient: summed over tp like sequence-parallel norms
                 param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute
 
+    def _one_column_linear(self) -> bool:
+        """Whether queries, keys and values run as one column-parallel linear (tp > 1, no float8, no deferred weight
+        gradients): its input gradient's collective then runs while their weight gradient is computed
+        (``column_backward.py``), as in every other column-parallel linear."""
+        return self.q._backward_overlapped() and self.kv._backward_overlapped()
+
     def _project(self, hidden: torch.Tensor):
         """``q [b, heads/tp, s, d]``, ``k``/``v`` ``[b, kv heads of this rank, s, d]``."""
         if not self.config.grouped_query_attention:
@@ -146,9 +152,7 @@ class SelfAttention(nn.Module):
             both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
             mixed = all_gather_linear(hidden, torch.cat([self.q.weight, weight]), both, group)
             q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
-        elif self.q._backward_overlapped() and self.kv._backward_overlapped():
-            # one column-parallel linear for queries, keys and values: the input gradient's collective runs while
-            # their weight gradient is computed (column_backward.py), as in every other column-parallel linear
+        elif self._one_column_linear():
             both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
             mixed = column_parallel_linear(hidden, torch.cat([self.q.weight, weight]), both, group,
                                            self.q.sequence_parallel)

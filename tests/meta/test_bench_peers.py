@@ -14,7 +14,7 @@ from helpers.paths import ROOT
 
 
 @pytest.mark.parametrize("gpus,tp,configs", [(1, 1, "ours,peer"), (2, 1, "ours"),
-                                             (2, 2, "ours-fp8-graphs,ours-fp8-unsplit,peer-tp")])
+                                             (2, 2, "ours-fp8-graphs,ours-fp8-graphs-unsplit,ours-qkvapart,peer-tp")])
 def test_peer_benchmark_dry_run_on_cpu(gpus, tp, configs):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_peers.py"), "--tiny",
                            "--accelerator", "cpu", "--gpus", str(gpus), "--tp", str(tp), "--configs", configs,

@@ -30,6 +30,10 @@ CACHED = {"dp2-distopt-gather": (2, dict(micro_batch_size=2, **GATHER)),
                                                         cuda_graph_backend="eager", **GATHER)),
           "pp2vpp2": LAYOUTS["pp2vpp2"],
           "tp2sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=2)),
+          # in graphs the column-parallel linears call their float8 GEMMs one at a time (Float8Matmul.split_gemms)
+          "tp2sp-block-graphs": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=2,
+                                         cuda_graph="partial", cuda_graph_scope="block",
+                                         cuda_graph_backend="eager")),
           # the whole step captured (eager backend): the casts made inside it, at each layer's first forward
           "full-graph": (1, dict(micro_batch_size=2, cuda_graph="full", cuda_graph_backend="eager")),
           "pp2-block-graphs": (2, dict(pipeline_model_parallel_size=2, micro_batch_size=2, cuda_graph="partial",
@@ -80,24 +84,34 @@ def test_weights_cast_once_per_step_train_as_recasting_in_every_call(name):
                           FUSED, timeout=240)
     cached = run_on_ranks(_fit_counting_cached_calls, world, late, dict(kwargs, fp8=_fp8()), FUSED, timeout=240)
     assert_same_run(cached, recast[0])
-    assert all(out["cached calls"] == 0 for out in recast)
+    assert all(out["cached calls"] == 0 and out["split calls"] == 0 for out in recast)
     assert all(out["cached calls"] > 0 for out in cached), [out["cached calls"] for out in cached]
+    # the split GEMMs only in graphs (eagerly their host work costs more than their overlap gains)
+    split = "tp2" in name and "graphs" in name
+    assert all((out["split calls"] > 0) == split for out in cached), [out["split calls"] for out in cached]
 
 
 def _fit_counting_cached_calls(late_gathers, *args):
-    """``fit_and_record`` (with late gathers) that also counts the layers' calls that used the cached casts."""
+    """``fit_and_record`` (with late gathers) that also counts the layers' calls that used the cached casts, whole
+    and split (a column-parallel linear's forward GEMM called on its own)."""
     from lightning_megatron.quantization import float8_weights
+    from lightning_megatron.quantization.float8 import Float8Matmul
 
-    calls = [0]
-    apply = float8_weights._CachedWeightFloat8Linear.apply
+    calls, split = [0], [0]
+    apply, forward_gemm = float8_weights._CachedWeightFloat8Linear.apply, Float8Matmul.forward_gemm
 
     def counted(*a):
         calls[0] += 1
         return apply(*a)
 
+    def counted_split(*a):
+        split[0] += 1
+        return forward_gemm(*a)
+
     float8_weights._CachedWeightFloat8Linear.apply = counted
+    Float8Matmul.forward_gemm = counted_split
     out = (_fit_with_late_gathers if late_gathers else fit_and_record)(*args)
-    out["cached calls"] = calls[0]
+    out["cached calls"], out["split calls"] = calls[0], split[0]
     return out
 
 

@@ -1,7 +1,7 @@
 """Float8 column-parallel linears overlap their input gradient's collective with the weight gradient's GEMM
 (``tensor_parallel/column_backward.py`` with the float8 matmul's GEMMs one at a time, ``Float8Matmul.split_gemms``)
-when the weight is cast for the step: the same numbers as gathering and then calling the float8 linear whole, bit for
-bit, and the collective started before the weight gradient's GEMM."""
+when the weight is cast for a step run in CUDA graphs: the same numbers as gathering and then calling the float8
+linear whole, bit for bit, and the collective started before the weight gradient's GEMM."""
 
 import pytest
 import torch
@@ -16,9 +16,9 @@ from helpers.tp_utils import tp_state
 TOKENS, IN, OUT = 32, 32, 64
 
 
-def _column(sequence_parallel, bias, split, ready=True, autocast=False):
+def _column(sequence_parallel, bias, split, ready=True, autocast=False, graphed=True):
     """One float8 column-parallel linear's output and gradients (input, weight, bias) at tp = world, its weight cast
-    for the step (``ready``); ``split=False`` turns the split GEMMs off (the layer gathers, then calls the float8
+    for the step (``ready``) of a schedule in CUDA graphs (``graphed``); ``split=False`` turns the split GEMMs off (the layer gathers, then calls the float8
     matmul whole); the order in which the backward started the collective and the weight gradient's GEMM."""
     state = tp_state()
     torch.manual_seed(0)
@@ -30,7 +30,7 @@ def _column(sequence_parallel, bias, split, ready=True, autocast=False):
     enable_fp8(layer, Float8Config(emulate=True, compile=False))
     (cast,) = float8_weight_casts(layer)
     cast.refresh()
-    cast.armed, cast.stale = ready, not ready
+    cast.armed, cast.stale, cast.graphed = ready, not ready, graphed
     rows = TOKENS // state.tp_size if sequence_parallel else TOKENS
     x = (torch.randn(TOKENS, 2, IN, generator=torch.Generator().manual_seed(1)) * 4)
     x = x.chunk(state.tp_size, 0)[state.tp_rank] if sequence_parallel else x
@@ -76,6 +76,7 @@ def _compare(sequence_parallel, bias, autocast):
     whole, whole_order = _column(sequence_parallel, bias, split=False, autocast=autocast)
     recast, recast_order = _column(sequence_parallel, bias, split=True, ready=False, autocast=autocast)   # stale
     again, again_order = _column(sequence_parallel, bias, split=True, autocast=autocast)   # (nothing left patched)
+    eager, eager_order = _column(sequence_parallel, bias, split=True, autocast=autocast, graphed=False)
     assert split[0].dtype == (torch.bfloat16 if autocast else torch.float32)
     assert split[2].dtype == torch.float32   # the parameter's gradient in its own dtype
     assert again_order == split_order and all(torch.equal(a, b) for a, b in zip(again, split) if a is not None)
@@ -88,7 +89,8 @@ def _compare(sequence_parallel, bias, autocast):
         same[1] = torch.allclose(split[1], whole[1], rtol=2e-2, atol=1e-2 * whole[1].abs().max().item())
     same_recast = [torch.equal(a, b) if a is not None else b is None for a, b in zip(recast, whole)]
     same_recast[0] = same[0] if autocast else same_recast[0]
-    return same, same_recast, split_order, whole_order, recast_order
+    same_eager = [torch.equal(a, b) if a is not None else b is None for a, b in zip(eager, whole)]
+    return same, same_recast + same_eager, split_order, whole_order, recast_order + eager_order
 
 
 @pytest.mark.parametrize("sequence_parallel, bias, autocast", [(True, False, False), (False, True, False),
@@ -98,10 +100,10 @@ def test_float8_column_parallel_backward_overlaps_and_equals_the_whole_matmul(se
     results = run_on_ranks(_compare, 2, sequence_parallel, bias, autocast, timeout=120)
     for same, same_recast, split_order, whole_order, recast_order in results:
         assert same == [True] * 4, same
-        assert same_recast == [True] * 4, same_recast
+        assert same_recast == [True] * 8, same_recast   # a stale cast, and an eager schedule: the whole path
         # split: the collective starts before the weight gradient's GEMM; whole: the matmul's own backward, no split
         assert split_order == ["collective", "weight gradient"], split_order
-        assert whole_order == ["collective"] and recast_order == ["collective"], (whole_order, recast_order)
+        assert whole_order == ["collective"] and recast_order == ["collective"] * 2, (whole_order, recast_order)
 
 
 def _compiled_vs_eager():
@@ -130,7 +132,7 @@ def _compiled_vs_eager():
         enable_fp8(model, Float8Config(emulate=True, compile=False))
         for cast in float8_weight_casts(model):
             cast.refresh()
-            cast.armed, cast.stale = True, False
+            cast.armed, cast.stale, cast.graphed = True, False, True
         if compiled:
             compile_layers(model)
         calls = [0]
@@ -177,7 +179,7 @@ def test_gpu_compiled_split_gemms_equal_the_whole_float8_linear(one_rank):
     enable_fp8(layer, Float8Config())
     (cast,) = float8_weight_casts(layer)
     cast.refresh()
-    cast.armed, cast.stale = True, False
+    cast.armed, cast.stale, cast.graphed = True, False, True
     x = (torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16) * 3).requires_grad_()
     g = torch.randn(2, 64, 512, device="cuda", dtype=torch.bfloat16) * 1e-2
     ref = cached_float8_linear(x, layer.weight, cast.data, cast.data_t, cast.scale, cast.pow2, False)
