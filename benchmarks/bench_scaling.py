@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -122,6 +122,32 @@ def layouts(gpus: int) -> List[Layout]:
 
 # -- one configuration, in each of its processes ----------------------------------------------------------------
 
+def count_echo_decisions() -> Dict[str, Any]:
+    """Counts of ECHO's decisions in this process's MoE layer forwards (``moe/echo_schedule.py``): forwards that
+    planned (and how many of them put tokens on spare slots), forwards that did not (and how many of those saw an
+    EP rank beyond the tolerance; each one's busiest EP rank over the mean), filled as the run goes."""
+    from lightning_megatron.moe.echo import any_rank_spills
+    from lightning_megatron.moe.echo_schedule import EchoSchedule
+
+    counts: Dict[str, Any] = dict(planned=0, slots_used=0, unplanned=0, would_spill=0, busiest_over_mean=[])
+    saw_plan, saw_loads = EchoSchedule.saw_plan, EchoSchedule.saw_loads
+
+    def planned(self, slots_used):
+        counts["planned"] += 1
+        counts["slots_used"] += bool(slots_used)
+        return saw_plan(self, slots_used)
+
+    def unplanned(self, rows, tolerance):
+        counts["unplanned"] += 1
+        if rows is not None:
+            counts["would_spill"] += bool(any_rank_spills(rows, tolerance))
+            counts["busiest_over_mean"].append(max(rows) * len(rows) / max(sum(rows), 1))
+        return saw_loads(self, rows, tolerance)
+
+    EchoSchedule.saw_plan, EchoSchedule.saw_loads = planned, unplanned   # (this configuration's processes only)
+    return counts
+
+
 def transformer_config(workload: str, tiny: bool, spare: int = 0):
     from lightning_megatron.moe import MoEConfig
     from lightning_megatron.transformer import TransformerConfig
@@ -165,6 +191,7 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
 
     config, spec = transformer_config(layout.workload, tiny, layout.spare)
     gpu = accelerator == "gpu"
+    echo = count_echo_decisions() if layout.spare else None
     split = [int(n) for n in layout.split.split(",")] if layout.split and "," in layout.split else layout.split
     marks: Dict[str, object] = {}
 
@@ -249,7 +276,8 @@ def run_layout(layout: Layout, accelerator: str, tiny: bool, out_path: str) -> N
                   "compute_ms_per_rank": gathered,
                   **({"idle_gaps_per_rank": gaps} if any(g is not None for g in gaps) else {}),
                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-                  "final_loss": float(trainer.callback_metrics["train_loss"])}
+                  "final_loss": float(trainer.callback_metrics["train_loss"]),
+                  **({"echo_forwards": echo} if echo is not None else {})}
         with open(out_path, "w") as f:
             json.dump(result, f)
     # Every group goes before the interpreter does: a rank that exited with live gloo groups while its peer
@@ -389,6 +417,14 @@ def tables(results: Dict[str, dict], tiny: bool, peak: float) -> str:
         echo = f"{off['step_s'] / r['step_s']:.2f}x" if off else "-"
         lines.append(f"| {name} | {layout.gpus} | {throughput(r)} | {rel} | {echo} |")
     lines += ["", "final losses: " + ", ".join(f"{n} {r['final_loss']:.4f}" for n, r in rows.items())]
+    for name, r in rows.items():
+        if r.get("echo_forwards"):
+            e = r["echo_forwards"]
+            ratio = f", busiest EP rank / mean {sum(e['busiest_over_mean']) / len(e['busiest_over_mean']):.2f}" \
+                if e["busiest_over_mean"] else ""
+            lines.append(f"ECHO in {name} (MoE layer forwards, all steps, rank 0): {e['planned']} planned "
+                         f"({e['slots_used']} put tokens on spare slots), {e['unplanned']} unplanned "
+                         f"({e['would_spill']} beyond the tolerance{ratio})")
     return "\n".join(lines)
 
 

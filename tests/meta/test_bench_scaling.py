@@ -47,3 +47,10 @@ def test_moe_echo_and_skew_layouts_dry_run_on_cpu(tmp_path):
     assert abs(echo - skewed) < 1e-4, (echo, skewed)
     row = next(line for line in done.stdout.splitlines() if line.startswith("| moe-ep2-skew-echo |"))
     assert row.rstrip(" |").endswith("x"), row   # the ECHO-vs-off ratio
+    # what ECHO decided, counted: every MoE layer forward planned or not (tiny: 2 MoE layers, 8 steps and more)
+    decisions = results["moe-ep2-skew-echo"]["echo_forwards"]
+    assert decisions["planned"] + decisions["unplanned"] >= 2 * 8, decisions
+    assert decisions["planned"] >= 2, decisions   # the first step plans (nothing observed before it)
+    assert len(decisions["busiest_over_mean"]) == decisions["unplanned"], decisions
+    assert "ECHO in moe-ep2-skew-echo (MoE layer forwards" in done.stdout, done.stdout[-2000:]
+    assert "echo_forwards" not in results["moe-ep2-skew"], results["moe-ep2-skew"]
