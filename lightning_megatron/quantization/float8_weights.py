@@ -97,8 +97,8 @@ class Float8WeightCast:
     ``stale`` until the owner's pre-hook has cast the weight for it; ``forward_only`` for a schedule without
     backward (evaluation), whose casts skip ``data_t`` (only the input gradient reads it); ``graphed`` for a schedule
     run in CUDA graphs (its host work is not replayed, so a column-parallel linear may call its float8 GEMMs one at a
-    time, see ``Float8Matmul.split_gemms``). The layer uses the casts only when armed and not stale (:meth:`ready`). The weight is read from the layer at each cast (a parameter
-    replaced after ``enable_fp8`` is the one cast)."""
+    time, see ``Float8Matmul.split_gemms``). The layer uses the casts only when armed and not stale (:meth:`ready`).
+    The weight is read from the layer at each cast (a parameter replaced after ``enable_fp8`` is the one cast)."""
 
     def __init__(self, linear: nn.Module, pow2: bool = False, compiled: bool = True) -> None:
         self.linear, self.pow2, self.compiled = linear, pow2, compiled
