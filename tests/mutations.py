@@ -305,6 +305,11 @@ MUTATIONS: List[Mutation] = [
              "            mixed = column_parallel_linear(hidden, torch.cat([self.q.weight, weight]), both, group,\n",
              "            mixed = column_parallel_linear(hidden, torch.cat([self.q.weight, weight.roll(1, 0)]), both, group,\n",
              ("tests/unit/transformer/test_attention_projection.py::test_queries_keys_and_values_as_one_overlapped_column_linear_equal_two_linears",)),
+    Mutation("column-backward-accumulates-first-rows-into-every-param",
+             "lightning_megatron/tensor_parallel/column_backward.py",
+             "                    accumulate_weight_grad(param, total, grad[..., first:first + param.shape[0]])\n",
+             "                    accumulate_weight_grad(param, total, grad[..., :param.shape[0]])\n",
+             ("tests/unit/transformer/test_attention_projection.py::test_queries_keys_and_values_as_one_overlapped_column_linear_equal_two_linears",)),
     # ... only in CUDA graphs (eagerly the pieces' host work cost more than the overlap gained)
     Mutation("float8-column-split-outside-graphs", "lightning_megatron/quantization/float8.py",
              "        if cast is None or not cast.ready() or not cast.graphed:\n",

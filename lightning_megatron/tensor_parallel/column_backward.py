@@ -61,7 +61,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, sequence_parallel: bool,
-                accumulate_into: Optional[Tuple[torch.Tensor]], gemms: Optional[SplitGemms]) -> torch.Tensor:
+                accumulate_into: Optional[Tuple[torch.Tensor, ...]], gemms: Optional[SplitGemms]) -> torch.Tensor:
         total = gather_along_dim(x, 0, group) if sequence_parallel else x
         saved: Tuple[torch.Tensor, ...] = ()
         if gemms is None:
@@ -104,8 +104,11 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         grad_w = None
         with sm_carveout(ctx.carveout if work is not None or pending is not None else None):
-            if ctx.accumulate_into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
-                accumulate_weight_grad(ctx.accumulate_into[0], total, grad)
+            if ctx.accumulate_into is not None:   # into the parameters' gradients by GEMMs (grad_accumulation.py)
+                first = 0
+                for param in ctx.accumulate_into:   # each its rows of the weight (a strided view of grad's columns)
+                    accumulate_weight_grad(param, total, grad[..., first:first + param.shape[0]])
+                    first += param.shape[0]
             elif ctx.needs_input_grad[1] and gemms is not None:
                 operand = gemms.grad_operand(grad, tuple(saved)) if operand is None else operand
                 grad_w = gemms.weight_grad_gemm(operand, total, weight, tuple(saved))
@@ -122,12 +125,13 @@ class _ColumnParallelLinear(torch.autograd.Function):
 @eager_under_compile   # one graph break for the casts and the function (not a break inside an autocast region)
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            group: dist.ProcessGroup, sequence_parallel: bool,
-                           accumulate_into: Optional[Tuple[torch.Tensor]] = None,
+                           accumulate_into: Optional[Tuple[torch.Tensor, ...]] = None,
                            gemms: Optional[SplitGemms] = None) -> torch.Tensor:
     """A column-parallel linear's forward at tensor-parallel size > 1: ``F.linear`` (or ``gemms``) of the
     all-gathered (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the
-    module). ``accumulate_into``: ``(the weight parameter,)`` whose gradient the backward's GEMM accumulates
-    (``grad_accumulation.py``; ``F.linear``'s GEMMs only), or None (the gradient returned to autograd)."""
+    module). ``accumulate_into``: the parameters whose rows, in order, make ``weight`` (``(the weight,)``, or the
+    linears concatenated into it), each one's gradient accumulated by its own GEMM (``grad_accumulation.py``;
+    ``F.linear``'s GEMMs only), or None (the gradient returned to autograd)."""
     bias = None if bias is None else in_autocast_dtype(bias, x)
     # (split GEMMs read their own operands, a float8 cast of the weight: it is not copied to the autocast dtype)
     x, weight = in_autocast_dtype(x, x), weight if gemms is not None else in_autocast_dtype(weight, x)

@@ -154,8 +154,10 @@ class SelfAttention(nn.Module):
             q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
         elif self._one_column_linear():
             both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
+            # gradient-accumulation fusion into both parameters (not through a gathered, shared kv weight)
+            fused = self.q.accumulate_weight_grads and self.kv.accumulate_weight_grads and weight is self.kv.weight
             mixed = column_parallel_linear(hidden, torch.cat([self.q.weight, weight]), both, group,
-                                           self.q.sequence_parallel)
+                                           self.q.sequence_parallel, (self.q.weight, weight) if fused else None)
             q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
         else:
             if self.q.sequence_parallel:
