@@ -310,6 +310,15 @@ MUTATIONS: List[Mutation] = [
              "                    accumulate_weight_grad(param, total, grad[..., first:first + param.shape[0]])\n",
              "                    accumulate_weight_grad(param, total, grad[..., :param.shape[0]])\n",
              ("tests/unit/transformer/test_attention_projection.py::test_queries_keys_and_values_as_one_overlapped_column_linear_equal_two_linears",)),
+    # ECHO's weight exchange with the homes known on the host: only the used slots' blocks, placed in their slots
+    Mutation("echo-exact-exchange-slots-misplaced", "lightning_megatron/moe/spare_weights.py",
+             "        spare.index_copy_(0, positions, blocks)\n",
+             "        spare.index_copy_(0, positions.flip(0), blocks)\n",
+             ("tests/unit/moe/test_moe_echo_layer.py::test_spare_slots_hold_home_weights_and_return_gradients",)),
+    Mutation("echo-exact-exchange-gradients-dropped", "lightning_megatron/moe/spare_weights.py",
+             "            out.append(home.index_add_(0, index, part.reshape((-1,) + tuple(g.shape[1:]))))\n",
+             "            out.append(home)\n",
+             ("tests/unit/moe/test_moe_echo_layer.py::test_spare_slots_hold_home_weights_and_return_gradients",)),
     # ... only in CUDA graphs (eagerly the pieces' host work cost more than the overlap gained)
     Mutation("float8-column-split-outside-graphs", "lightning_megatron/quantization/float8.py",
              "        if cast is None or not cast.ready() or not cast.graphed:\n",

@@ -62,6 +62,7 @@ class DispatchMetadata:
     splits: Optional[Dict[str, List[int]]] = None  # host row counts of the collectives
     spare_homes: Optional[Tensor] = None      # ECHO: [ep·k] home expert of each spare slot (-1 unused)
     spare_slots_used: Optional[bool] = None   # ECHO: whether any slot is used, read at dispatch (None: not read)
+    spare_homes_host: Optional[List[int]] = None  # ECHO: spare_homes as read at dispatch (None: not read)
     rows_per_ep_rank: Optional[List[int]] = None  # rows each EP rank receives, read at dispatch (report_loads)
     token_order: Optional[Tensor] = None      # dropless top-k: the T·k rows listed token by token
     token_rows: Optional[Tensor] = None       # permute kernels: [T, E] each token's rows, -1 after the last
@@ -169,15 +170,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         rows = m.counts.view(etp, ep, ep, n_local).sum(dim=-1)      # [etp q, ep src j, ep dst p]
         q, p = self.etp_rank, self.ep_rank
         parts = [rows[q, p], rows[q, :, p], rows[:, :, p].sum(dim=1)]
-        if m.spare_homes is not None:   # ECHO: whether any spare slot is used, read in the same sync
-            parts.append(m.spare_homes.to(rows.dtype).max().view(1))
+        if m.spare_homes is not None:   # ECHO: which spare slots copy which expert, read in the same sync
+            parts.append(m.spare_homes.to(rows.dtype))
         if self.report_loads:
             parts.append(rows.sum(dim=(0, 1)))                        # [ep dst p]: every source's rows to p
         host = torch.cat(parts).tolist()  # the one sync
         if self.report_loads:
             m.rows_per_ep_rank, host = host[-ep:], host[:-ep]
         if m.spare_homes is not None:
-            m.spare_slots_used = host.pop() >= 0
+            slots = m.spare_homes.numel()
+            m.spare_homes_host, host = host[-slots:], host[:-slots]
+            m.spare_slots_used = max(m.spare_homes_host) >= 0
         return {"send": host[:ep], "recv": host[ep:2 * ep], "gathered": host[2 * ep:]}
 
     def dispatch(self, hidden: Tensor, probs: Tensor) -> Tuple[Tensor, Tensor]:

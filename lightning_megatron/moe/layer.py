@@ -278,7 +278,7 @@ class MoELayer(nn.Module):
         if meta.spare_slots_used is False:   # read at the dispatch's host sync: no slot has rows, no weights move
             return self.experts(tokens, tokens_per_expert[:self.experts.num_local_experts], meta.rows_per_expert)
         weights = weights_with_spare_slots((self.experts.weight1, self.experts.weight2), meta.spare_homes,
-                                           self.groups.ep, self.num_spare)
+                                           self.groups.ep, self.num_spare, homes_on_host=meta.spare_homes_host)
         return self.experts(tokens, tokens_per_expert, meta.rows_per_expert, weights=weights)
 
     def combine(self, expert_output: Tensor) -> Tensor:

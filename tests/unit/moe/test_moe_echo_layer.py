@@ -49,7 +49,7 @@ def _run_variant(state, variant, sequence_parallel):
     exchange = layer_module.weights_with_spare_slots
 
     def counted(*args, **kwargs):
-        exchanges.append(1)
+        exchanges.append(kwargs.get("homes_on_host") is not None)   # whether only the used slots' blocks travel
         return exchange(*args, **kwargs)
 
     runs = {}
@@ -74,7 +74,8 @@ def _run_variant(state, variant, sequence_parallel):
         runs[name] = {"out": out.detach(), "dx": x.grad, "weights": global_weights(layer, state, grads=False),
                       "grads": global_weights(layer, state, grads=True), "num_spare": layer.num_spare,
                       "load": _load_per_ep_rank(layer.dispatcher.meta.routing_map, state.ep_size, columns, state),
-                      "exchanges": len(exchanges), "slots_used": layer.dispatcher.meta.spare_slots_used}
+                      "exchanges": len(exchanges), "exact": list(exchanges),
+                      "slots_used": layer.dispatcher.meta.spare_slots_used}
     return runs
 
 
@@ -108,6 +109,8 @@ def check_world(world, layouts):
                 if variant["dispatcher"] == "alltoall":
                     assert echo["slots_used"] is True and held["slots_used"] is False, name
                     assert held["exchanges"] == 0, f"{name}: weights moved with every slot unused"
+                    # and it read the slots' homes at that sync: only the used slots' blocks travel
+                    assert echo["exact"] == [True], f"{name}: the weights went with static splits"
                 for run in (echo, held):
                     torch.testing.assert_close(run["out"], plain["out"], atol=1e-5, rtol=1e-5,
                                                msg=lambda m: f"{name} rank {rank} out: {m}")
@@ -132,7 +135,7 @@ def test_echo_layer_equals_unoffloaded_layer_on_four_ranks():
 # --- the weight dispatch itself ---------------------------------------------------------------------
 
 
-def _dispatch_case(k, seed):
+def _dispatch_case(k, seed, on_host=False):
     ep, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(seed)                       # the same draws on every rank
     fulls = [torch.randn(E, 3, 2, generator=gen), torch.randn(E, 4, generator=gen)]
@@ -140,18 +143,22 @@ def _dispatch_case(k, seed):
     grads_out = [torch.randn(ep, E // ep + k, 3, 2, generator=gen), torch.randn(ep, E // ep + k, 4, generator=gen)]
     local = E // ep
     weights = [full[rank * local:(rank + 1) * local].clone().requires_grad_() for full in fulls]
-    extended = weights_with_spare_slots(weights, homes, dist.group.WORLD, k)
+    extended = weights_with_spare_slots(weights, homes, dist.group.WORLD, k,
+                                        homes_on_host=homes.tolist() if on_host else None)
     sum((out * g[rank]).sum() for out, g in zip(extended, grads_out)).backward()
     return homes, fulls, grads_out, [out.detach() for out in extended], [w.grad for w in weights]
 
 
-def _dispatch_cases():
-    return [_dispatch_case(k, seed) for k in (1, 2, 3) for seed in range(3)]
+def _dispatch_cases(on_host):
+    return [_dispatch_case(k, seed, on_host) for k in (1, 2, 3) for seed in range(3)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_spare_slots_hold_home_weights_and_return_gradients(world):
-    results = run_on_ranks(_dispatch_cases, world, timeout=60)
+@pytest.mark.parametrize("world, on_host", [(2, False), (4, False), (2, True), (4, True)],
+                         ids=["2-static", "4-static", "2-homes-on-host", "4-homes-on-host"])
+def test_spare_slots_hold_home_weights_and_return_gradients(world, on_host):
+    """Static splits (every rank sends every slot a block) and, with the homes known on the host, only the used
+    slots' blocks: the same slots and gradients."""
+    results = run_on_ranks(_dispatch_cases, world, on_host, timeout=60)
     local = E // world
     for case in range(len(results[0])):
         homes, fulls, grads_out, _, _ = results[0][case]
