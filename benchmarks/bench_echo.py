@@ -102,12 +102,18 @@ def _time_phases(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -
     probs, routing_map = layer.route(local)
     _, _, homes = layer.offload(probs, routing_map)
     weights = (layer.experts.weight1, layer.experts.weight2)
+    on_host = homes.tolist()   # as the all-to-all dispatcher reads them at its host sync
+
+    def to_slots(host):
+        return weights_with_spare_slots(weights, homes, layer.groups.ep, layer.num_spare, homes_on_host=host)
+
     pieces = {
         "route": lambda: layer.route(local),
         "offload (plan)": lambda: layer.offload(probs, routing_map),
-        "weights to slots": lambda: weights_with_spare_slots(weights, homes, layer.groups.ep, layer.num_spare),
-        "weights to slots fwd+bwd": lambda: sum(w.sum() for w in weights_with_spare_slots(
-            weights, homes, layer.groups.ep, layer.num_spare)).backward(),
+        "weights to slots (static)": lambda: to_slots(None),
+        "weights to slots fwd+bwd (static)": lambda: sum(w.sum() for w in to_slots(None)).backward(),
+        "weights to slots (used only)": lambda: to_slots(on_host),
+        "weights to slots fwd+bwd (used only)": lambda: sum(w.sum() for w in to_slots(on_host)).backward(),
     }
     for name, fn in pieces.items():
         times = []
@@ -120,7 +126,7 @@ def _time_phases(layer: MoELayer, x: torch.Tensor, args, device: torch.device) -
             if i >= 3:
                 times.append((time.perf_counter() - start) * 1e3)
         if dist.get_rank() == 0:
-            print(f"  phase {name:<26} {statistics.median(times):7.3f} ms", flush=True)
+            print(f"  phase {name:<38} {statistics.median(times):7.3f} ms", flush=True)
     layer.zero_grad(set_to_none=True)
 
 
