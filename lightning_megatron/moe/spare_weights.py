@@ -97,6 +97,15 @@ def _exact_routes(homes: Sequence[int], num_local: int, k: int, num_ranks: int, 
     return send_local, send_counts, recv_slots, recv_counts
 
 
+def _to_device(values: List[int], device: torch.device) -> Tensor:
+    """A host list of indices on ``device`` without making the host wait (pinned memory, asynchronous copy: a copy
+    from pageable memory would block the host behind the GPU's queue, once per layer and micro-batch)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class _WithUsedSpareSlots(torch.autograd.Function):
     """The exchange with host-known homes: only used slots' weights and gradients travel, each to/from its home."""
 
@@ -106,13 +115,13 @@ class _WithUsedSpareSlots(torch.autograd.Function):
         num_local = weights[0].shape[0]
         send_local, send_counts, recv_slots, recv_counts = _exact_routes(homes, num_local, k, num_ranks, rank)
         device = weights[0].device
-        index = torch.tensor(send_local, dtype=torch.long, device=device)
+        index = _to_device(send_local, device)
         blocks = torch.cat([w.index_select(0, index).flatten(1) for w in weights], dim=1)   # [sent, n]
         if num_ranks > 1:
             assert group is not None   # group_size(None) is 1
             blocks = _a2a(blocks, group, recv_counts, send_counts)
         spare = blocks.new_zeros((k, blocks.shape[1]))
-        positions = torch.tensor(recv_slots, dtype=torch.long, device=device)
+        positions = _to_device(recv_slots, device)
         spare.index_copy_(0, positions, blocks)
         sizes = [w[0].numel() for w in weights]
         ctx.save_for_backward(index, positions)

@@ -8,6 +8,9 @@ for it. Here one autograd function does the whole layer: ``dX``, its collective 
 it on its own stream), ``dW`` while it travels, then the wait: Megatron-Core's overlap of the input-gradient
 communication with the weight-gradient GEMM. The same GEMMs and the same collective as the plain path.
 
+Several column-parallel linears reading one input (grouped-query attention's q and kv) run as one function: one
+gather, the input gradient's shares summed by their GEMMs, one collective overlapping all their weight gradients.
+
 The local GEMMs are ``F.linear``'s, or a layer's float8 matmul when it offers them one at a time
 (:class:`SplitGemms`: the float8 path with the weight cast once per step), so float8 layers overlap the same way.
 
@@ -22,7 +25,7 @@ GEMM and a copy-engine reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -56,42 +59,52 @@ class SplitGemms(Protocol):
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
-    """``F.linear(all_gather(x) if sequence_parallel else x, weight, bias)``; backward as the module says."""
+    """``F.linear(total, weight_i, bias_i)`` for each weight, ``total`` = ``all_gather(x)`` if ``sequence_parallel``
+    else ``x`` (one gathered input for all of them); backward as the module says, the input gradient summed over the
+    weights before its one collective."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                group: dist.ProcessGroup, sequence_parallel: bool,
-                accumulate_into: Optional[Tuple[torch.Tensor, ...]], gemms: Optional[SplitGemms]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
+                accumulate_into: Optional[Tuple[Optional[torch.Tensor], ...]], gemms: Optional[SplitGemms],
+                count: int, *weights_and_biases: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        weights = cast(Tuple[torch.Tensor, ...], weights_and_biases[:count])   # (tensors: the wrapper's)
+        biases = weights_and_biases[count:]
         total = gather_along_dim(x, 0, group) if sequence_parallel else x
         saved: Tuple[torch.Tensor, ...] = ()
         if gemms is None:
-            out = F.linear(total, weight, bias)
-        else:
-            out, saved = gemms.forward_gemm(total, weight)
-            out = out if bias is None else out + bias.to(out.dtype)
-        ctx.save_for_backward(total, weight, *saved)
-        ctx.gemms = gemms
-        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+            outs = tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+        else:   # (one weight)
+            out, saved = gemms.forward_gemm(total, weights[0])
+            outs = (out if biases[0] is None else out + biases[0].to(out.dtype),)
+        ctx.save_for_backward(total, *weights, *saved)
+        ctx.gemms, ctx.count = gemms, count
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = tuple(b is not None for b in biases)
         # under CUDA-graph capture the collective overlaps too (NCCL's stream forks from the capturing one and is
         # joined by the wait, inside the capture); the switches for measuring stay off there, and the weight
-        # gradient is returned (the capture would freeze the Python that picks its target)
+        # gradients are returned (the capture would freeze the Python that picks their targets)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         ctx.carveout = wgrad_sm_carveout() if x.is_cuda and not capturing else None
         ctx.copy_engine = x.is_cuda and not capturing and sequence_parallel and copy_engine_reduce_scatter()
         ctx.accumulate_into = None if capturing or gemms is not None else accumulate_into
-        return out
+        return outs
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        total, weight, *saved = ctx.saved_tensors
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        count = ctx.count
+        total, *rest = ctx.saved_tensors
+        weights, saved = rest[:count], tuple(rest[count:])
         gemms: Optional[SplitGemms] = ctx.gemms
-        flat = grad.reshape(-1, grad.shape[-1])
+        flats = [g.reshape(-1, g.shape[-1]) for g in grads]
         grad_x, work, pending, operand = None, None, None, None
         if ctx.needs_input_grad[0]:
             if gemms is None:
-                partial = flat.mm(weight).view(*total.shape)
+                partial = flats[0].mm(weights[0])
+                for flat, weight in zip(flats[1:], weights[1:]):   # the weights' shares, summed by their GEMMs
+                    partial.addmm_(flat, weight)
+                partial = partial.view(*total.shape)
             else:
-                partial, operand = gemms.input_grad_gemm(grad, weight, tuple(saved))
+                partial, operand = gemms.input_grad_gemm(grads[0], weights[0], saved)
                 partial = partial.view(*total.shape)
             if ctx.copy_engine:
                 pending = start_copy_engine_reduce_scatter(partial, ctx.group)
@@ -102,38 +115,52 @@ class _ColumnParallelLinear(torch.autograd.Function):
             else:
                 grad_x = partial
                 work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        grad_w = None
+        weight_grads: List[Optional[torch.Tensor]] = [None] * count
+        total_2d = total.reshape(-1, total.shape[-1])
         with sm_carveout(ctx.carveout if work is not None or pending is not None else None):
-            if ctx.accumulate_into is not None:   # into the parameters' gradients by GEMMs (grad_accumulation.py)
-                first = 0
-                for param in ctx.accumulate_into:   # each its rows of the weight (a strided view of grad's columns)
-                    accumulate_weight_grad(param, total, grad[..., first:first + param.shape[0]])
-                    first += param.shape[0]
-            elif ctx.needs_input_grad[1] and gemms is not None:
-                operand = gemms.grad_operand(grad, tuple(saved)) if operand is None else operand
-                grad_w = gemms.weight_grad_gemm(operand, total, weight, tuple(saved))
-            elif ctx.needs_input_grad[1]:
-                grad_w = flat.t().mm(total.reshape(-1, total.shape[-1]))
-        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            for i, (grad, weight) in enumerate(zip(grads, weights)):
+                into = None if ctx.accumulate_into is None else ctx.accumulate_into[i]
+                if into is not None:   # into the parameter's gradient by the GEMM (grad_accumulation.py)
+                    accumulate_weight_grad(into, total, grad)
+                elif ctx.needs_input_grad[6 + i] and gemms is not None:
+                    operand = gemms.grad_operand(grad, saved) if operand is None else operand
+                    weight_grads[i] = gemms.weight_grad_gemm(operand, total, weight, saved)
+                elif ctx.needs_input_grad[6 + i]:
+                    weight_grads[i] = flats[i].t().mm(total_2d)
+        bias_grads = [flat.sum(0) if has and ctx.needs_input_grad[6 + count + i] else None
+                      for i, (flat, has) in enumerate(zip(flats, ctx.has_bias))]
         if work is not None:
             work.wait()
         if pending is not None:
             grad_x = torch.ops._c10d_functional.wait_tensor(pending)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return (grad_x, None, None, None, None, None, *weight_grads, *bias_grads)
 
 
 @eager_under_compile   # one graph break for the casts and the function (not a break inside an autocast region)
+def column_parallel_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                            group: dist.ProcessGroup, sequence_parallel: bool,
+                            accumulate_into: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                            gemms: Optional[SplitGemms] = None) -> Tuple[torch.Tensor, ...]:
+    """Column-parallel linears' forwards at tensor-parallel size > 1 on one input: ``F.linear`` (or ``gemms``, one
+    weight) of the all-gathered (``sequence_parallel``) or replicated ``x`` with each weight and bias, with the
+    backward's one collective overlapped (see the module). ``accumulate_into``: per weight, the parameter whose
+    gradient the backward's GEMM accumulates (``grad_accumulation.py``; ``F.linear``'s GEMMs only), or None for a
+    gradient returned to autograd (all None: ``accumulate_into=None``)."""
+    if len(weights) != len(biases) or (gemms is not None and len(weights) != 1):
+        raise ValueError(f"column_parallel_linears takes a bias (or None) per weight, and split GEMMs for one weight: "
+                         f"{len(weights)} weights, {len(biases)} biases, gemms={gemms is not None}.")
+    biases = tuple(None if b is None else in_autocast_dtype(b, x) for b in biases)
+    # (split GEMMs read their own operands, a float8 cast of the weight: it is not copied to the autocast dtype)
+    weights = tuple(weights) if gemms is not None else tuple(in_autocast_dtype(w, x) for w in weights)
+    x = in_autocast_dtype(x, x)
+    into = None if accumulate_into is None or all(p is None for p in accumulate_into) else tuple(accumulate_into)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ColumnParallelLinear.apply(x, group, sequence_parallel, into, gemms, len(weights), *weights, *biases)
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            group: dist.ProcessGroup, sequence_parallel: bool,
-                           accumulate_into: Optional[Tuple[torch.Tensor, ...]] = None,
+                           accumulate_into: Optional[Tuple[torch.Tensor]] = None,
                            gemms: Optional[SplitGemms] = None) -> torch.Tensor:
-    """A column-parallel linear's forward at tensor-parallel size > 1: ``F.linear`` (or ``gemms``) of the
-    all-gathered (``sequence_parallel``) or replicated ``x``, with the backward's collective overlapped (see the
-    module). ``accumulate_into``: the parameters whose rows, in order, make ``weight`` (``(the weight,)``, or the
-    linears concatenated into it), each one's gradient accumulated by its own GEMM (``grad_accumulation.py``;
-    ``F.linear``'s GEMMs only), or None (the gradient returned to autograd)."""
-    bias = None if bias is None else in_autocast_dtype(bias, x)
-    # (split GEMMs read their own operands, a float8 cast of the weight: it is not copied to the autocast dtype)
-    x, weight = in_autocast_dtype(x, x), weight if gemms is not None else in_autocast_dtype(weight, x)
-    with torch.autocast(x.device.type, enabled=False):
-        return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel, accumulate_into, gemms)
+    """:func:`column_parallel_linears` with one weight: ``accumulate_into`` ``(the weight parameter,)`` or None."""
+    return column_parallel_linears(x, (weight,), (bias,), group, sequence_parallel, accumulate_into, gemms)[0]

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..parallel import get_parallel_state
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker, init_method_normal
-from ..tensor_parallel.column_backward import column_parallel_linear
+from ..tensor_parallel.column_backward import column_parallel_linears
 from ..tensor_parallel.comm_overlap import all_gather_linear
 from ..tensor_parallel.mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from .config import HEADS_SPLIT, TransformerConfig, check_query_groups, check_splits_over_tensor_parallel
@@ -128,9 +128,9 @@ class SelfAttention(nn.Module):
                 param.sequence_parallel = True  # type: ignore[attr-defined]  # runtime attribute
 
     def _one_column_linear(self) -> bool:
-        """Whether queries, keys and values run as one column-parallel linear (tp > 1, no float8, no deferred weight
-        gradients): its input gradient's collective then runs while their weight gradient is computed
-        (``column_backward.py``), as in every other column-parallel linear."""
+        """Whether queries and keys/values run as column-parallel linears on one gathered input (tp > 1, no float8,
+        no deferred weight gradients): their input gradient's one collective then runs while their weight gradients
+        are computed (``column_backward.py``), as in every other column-parallel linear."""
         return self.q._backward_overlapped() and self.kv._backward_overlapped()
 
     def _project(self, hidden: torch.Tensor):
@@ -153,12 +153,11 @@ class SelfAttention(nn.Module):
             mixed = all_gather_linear(hidden, torch.cat([self.q.weight, weight]), both, group)
             q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
         elif self._one_column_linear():
-            both = None if bias is None or self.q.bias is None else torch.cat([self.q.bias, bias])
-            # gradient-accumulation fusion into both parameters (not through a gathered, shared kv weight)
-            fused = self.q.accumulate_weight_grads and self.kv.accumulate_weight_grads and weight is self.kv.weight
-            mixed = column_parallel_linear(hidden, torch.cat([self.q.weight, weight]), both, group,
-                                           self.q.sequence_parallel, (self.q.weight, weight) if fused else None)
-            q, kv = mixed.split([self.q.weight.shape[0], weight.shape[0]], dim=-1)
+            # gradient-accumulation fusion into each parameter (not through a gathered, shared kv weight)
+            into = (self.q.weight if self.q.accumulate_weight_grads else None,
+                    weight if self.kv.accumulate_weight_grads and weight is self.kv.weight else None)
+            q, kv = column_parallel_linears(hidden, (self.q.weight, weight), (self.q.bias, bias), group,
+                                            self.q.sequence_parallel, into)
         else:
             if self.q.sequence_parallel:
                 x = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=True)

@@ -1,9 +1,9 @@
-"""Grouped-query attention's projections at tensor-parallel size > 1 run as one column-parallel linear (queries,
-keys and values from one gathered input), so their input gradient's collective overlaps their weight gradient
+"""Grouped-query attention's projections at tensor-parallel size > 1 run through one column-parallel function (queries,
+keys and values from one gathered input), so their input gradient's collective overlaps their weight gradients
 (``tensor_parallel/column_backward.py``) as every other column-parallel linear's does: the same numbers as two
 linears on one gathered input, float32, at tp2 with and without sequence parallelism and with key/value heads
 shared by ranks (tp4, 2 groups); with gradient-accumulation fusion, each weight's gradient accumulated by its own
-GEMM (where the key/value weight is this rank's parameter, not a gathered copy)."""
+GEMM (the key/value weight where it is this rank's parameter, not a gathered copy)."""
 
 import pytest
 import torch
@@ -31,9 +31,9 @@ def _run(sequence_parallel, groups, one_linear, fusion):
     backward, one_column_linear = column_backward._ColumnParallelLinear.backward, SelfAttention._one_column_linear
     accumulate = column_backward.accumulate_weight_grad
 
-    def counted(ctx, grad):
+    def counted(ctx, *grads):
         calls[0] += 1
-        return backward(ctx, grad)
+        return backward(ctx, *grads)
 
     def counted_accumulation(*args):
         accumulated[0] += 1
@@ -69,9 +69,9 @@ def test_queries_keys_and_values_as_one_overlapped_column_linear_equal_two_linea
             _both, world, sequence_parallel, groups, fusion, timeout=300):
         # two layers: fc1 and (q, kv) each through the overlapped column backward; apart: fc1 only
         assert (calls, apart_calls) == (4, 2), (calls, apart_calls)
-        # fused: fc1's weight and (q's and kv's unless kv is a gathered, shared copy) accumulated by the column GEMMs
+        # fused: fc1's weight, q's and kv's (unless kv is a gathered, shared copy) accumulated by the column GEMMs
         shared_kv = world > groups
-        expected = (2 * (1 if shared_kv else 3), 2) if fusion else (0, 0)
+        expected = (2 * (2 if shared_kv else 3), 2) if fusion else (0, 0)
         assert (accumulated, apart_accumulated) == expected, (accumulated, apart_accumulated)
         assert loss == pytest.approx(apart_loss, rel=1e-6)
         assert grads.keys() == apart_grads.keys()
