@@ -361,7 +361,7 @@ def check_config(name: str) -> None:
                      f"{', '.join(OURS_WORDS)}, or one of {', '.join(PEERS)}")
 
 
-def baseline_name(tp: int, gpus: int) -> str:
+def baseline_name(tp: int) -> str:
     """The compiled peer of the same layout, which the table's ratios divide: DTensor TP (``peer-tp-compiled``) at
     ``--tp`` > 1, else ``peer-compiled`` (one GPU, or Lightning's DDP over ``--gpus``)."""
     return "peer-tp-compiled" if tp > 1 else "peer-compiled"
@@ -418,7 +418,7 @@ def main() -> None:
               f"first {args.warmup} steps {r['first_steps_s']:.0f} s", flush=True)
         if r["kernels"]:
             print(f"  kernels per step: {json.dumps(r['kernels'], indent=1)}", flush=True)
-    base_name = baseline_name(args.tp, args.gpus)
+    base_name = baseline_name(args.tp)
     base = results.get(base_name)
     print(f"\n| configuration | step ms | MFU | peak GiB | speed vs {base_name} |\n|---|---|---|---|---|")
     for name, r in results.items():
